@@ -1,0 +1,5 @@
+import sys
+
+from prorsa.cli import main
+
+sys.exit(main())

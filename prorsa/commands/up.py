@@ -1,0 +1,89 @@
+"""`prorsa up`: embedded NATS (unless --nats) + every service + N engine agents in one process tree."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+
+from services.runtime.bus import namespace_from_env, nats_url_from_env
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=None, help="use this NATS server instead of starting an embedded one")
+    p.add_argument("--namespace", default=None)
+    p.add_argument("--engines", type=int, default=4, help="engine agents to start")
+    p.add_argument("--backend", choices=("sim", "vllm"), default="sim")
+    p.add_argument("--model", default=None, help="model path for --backend vllm")
+    p.add_argument("--profile", default=None, help="performance profile for --backend sim")
+    p.add_argument("--speedup", type=float, default=None, help="sim backend: virtual seconds per wall second")
+    p.add_argument("--log-dir", default=None, help="write each child's log here (default: discard)")
+    p.add_argument("--for", dest="for_s", type=float, default=None, help="stop after this many seconds")
+
+
+def engine_args(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    if args.profile:
+        out += ["--profile", args.profile]
+    if args.speedup:
+        out += ["--speedup", str(args.speedup)]
+    return out
+
+
+async def wait_healthy(url: str, namespace: str, expected: list[str], timeout_s: float) -> list:
+    """Poll health until every expected service answers ok (or time runs out); returns the last replies."""
+    from prorsa.health import gather_health
+
+    deadline = time.monotonic() + timeout_s
+    replies: list = []
+    while time.monotonic() < deadline:
+        replies = await gather_health(url, namespace, wait_s=0.5)
+        have = sorted(r.service for r in replies if r.status == "ok")
+        if have == sorted(expected):
+            break
+    return replies
+
+
+def run(args: argparse.Namespace) -> int:
+    from prorsa.health import format_health
+    from prorsa.system import System, SystemConfig
+
+    namespace = namespace_from_env(args.namespace)
+    system = System(
+        SystemConfig(
+            nats_url=nats_url_from_env(args.nats),
+            namespace=namespace,
+            engines=args.engines,
+            backend=args.backend,
+            model=args.model,
+            extra_engine_args=engine_args(args),
+            log_dir=args.log_dir,
+        )
+    )
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    system.start()
+    try:
+        print(f"nats: {system.url}", flush=True)
+        expected = system.expected_services()
+        replies = asyncio.run(wait_healthy(system.url, namespace, expected, timeout_s=60.0))
+        print(format_health(replies), flush=True)
+        healthy = sum(1 for r in replies if r.status == "ok")
+        print(f"up: {healthy}/{len(expected)} services healthy; Ctrl-C stops", flush=True)
+        deadline = time.monotonic() + args.for_s if args.for_s else None
+        while not stop["now"] and (deadline is None or time.monotonic() < deadline):
+            dead = system.dead_children()
+            if dead:
+                print(f"up: children exited: {dead}", flush=True)
+                return 1
+            time.sleep(0.2)
+    finally:
+        system.stop()
+        print("up: stopped", flush=True)
+    return 0

@@ -1,0 +1,50 @@
+"""Ask every live service for its health (request to `ns.health`, gather all replies for a moment)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+
+import proto
+from proto import HealthReply, HealthRequest, ProtoError, Subjects
+
+
+async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float = 1.0) -> list[HealthReply]:
+    """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance."""
+    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2)
+    try:
+        inbox = nc.new_inbox()
+        replies: list[HealthReply] = []
+
+        async def on_reply(msg: nats.aio.msg.Msg) -> None:
+            try:
+                replies.append(proto.decode_as(msg.data, HealthReply, msg.subject))
+            except ProtoError:
+                pass  # a peer speaking another version: not counted as healthy
+
+        sub = await nc.subscribe(inbox, cb=on_reply)
+        await nc.publish(
+            Subjects(namespace).health, proto.encode(HealthRequest(ts_s=time.time())), reply=inbox
+        )
+        await nc.flush()
+        await asyncio.sleep(wait_s)
+        await sub.unsubscribe()
+        return sorted(replies, key=lambda r: (r.service, r.instance_id))
+    finally:
+        await nc.close()
+
+
+def format_health(replies: list[HealthReply]) -> str:
+    """A plain table of the replies (one line per instance)."""
+    if not replies:
+        return "no service answered"
+    lines = [f"{'service':<20} {'instance':<28} {'status':<9} {'uptime_s':>9}  details"]
+    for r in replies:
+        details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()) if k not in ("errors",))
+        errs = r.details.get("errors") or {}
+        if errs:
+            details += f", errors={errs}"
+        lines.append(f"{r.service:<20} {r.instance_id:<28} {r.status:<9} {r.uptime_s:>9.1f}  {details}")
+    return "\n".join(lines)

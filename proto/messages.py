@@ -1,0 +1,419 @@
+"""Every message of the flow in DESIGN.md, as frozen, tagged msgspec Structs.
+
+Rules of the contract (msgspec's schema-evolution rules, see STYLE.md):
+- every message carries `schema_version`; a receiver rejects a version it does not speak (`proto.codec`);
+- a new field gets a default and goes last; a field is never retyped or renamed within a version;
+- unknown fields are skipped on decode, so an older reader keeps working when a field is added;
+- times are seconds: `*_s` fields are either durations or, for `ts_s`, the sender's clock (Unix seconds in the
+  live system, virtual seconds in the simulator);
+- token counts are non-negative integers (`*_tokens`), enforced on decode.
+
+The `type` tag of each message is its snake_case class name; a JSON payload is therefore self-describing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+SCHEMA_VERSION = 1
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+# Ids end up as NATS subject tokens (engine ids) or log keys: no dots, spaces or wildcards.
+Id = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-:]+$")]
+Role = Literal["prefill", "decode", "mixed"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=_snake):
+    """Base of every message on the bus."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Trajectory lifecycle, published by the client (SDK or raw) on `Subjects.lifecycle`.
+# `source` names the publishing client and `seq` counts its events (1, 2, ...), so a reader can drop duplicates
+# and detect reordering per source.
+
+
+class LifecycleEvent(Message, frozen=True, kw_only=True):
+    traj_id: Id
+    ts_s: float
+    source: str = "client"
+    seq: NonNegInt = 0
+
+
+class TrajectoryStarted(LifecycleEvent, frozen=True, kw_only=True):
+    task: str = ""  # e.g. "coding", "math"; the forecaster keeps per-task distributions
+    policy_version: NonNegInt = 0  # weights version the trajectory is rolled out with
+    group: str = ""  # GRPO-style group id (trajectories sharing a first prompt)
+    prompt_tokens: NonNegInt = 0  # first prompt length, when known
+
+
+class TurnSubmitted(LifecycleEvent, frozen=True, kw_only=True):
+    turn: NonNegInt
+    request_id: Id
+    prompt_tokens: NonNegInt  # whole context sent with this turn
+    new_tokens: NonNegInt = 0  # tokens appended since the previous turn (not cacheable anywhere)
+
+
+class ToolCallStarted(LifecycleEvent, frozen=True, kw_only=True):
+    turn: NonNegInt  # the model turn whose output called the tool
+    tool: str = ""
+
+
+class ToolCallFinished(LifecycleEvent, frozen=True, kw_only=True):
+    turn: NonNegInt
+    tool: str = ""
+    observation_tokens: NonNegInt = 0  # tokens the observation adds to the next prompt
+    ok: bool = True
+
+
+class TrajectoryFinished(LifecycleEvent, frozen=True, kw_only=True):
+    status: Literal["finished", "aborted"] = "finished"
+    reward: float | None = None
+    turns: NonNegInt = 0
+
+
+LIFECYCLE_MESSAGES = (TrajectoryStarted, TurnSubmitted, ToolCallStarted, ToolCallFinished, TrajectoryFinished)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generation work, on the JetStream work queues (`Subjects.prefill_work*`, `Subjects.decode_work*`).
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1)]
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: int = -1  # -1: disabled
+    seed: int | None = None
+    logprobs: bool = True  # return the sampled token's logprob (RL needs it)
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Message, frozen=True, kw_only=True):
+    request_id: Id  # unique per attempt-independent turn: `<traj_id>:<turn>`; retries reuse it
+    traj_id: Id
+    turn: NonNegInt
+    prompt_token_ids: list[
+        int
+    ]  # whole context; may be empty for the simulated backend (then prompt_len counts)
+    prompt_len: NonNegInt  # len(prompt_token_ids) when ids are sent
+    sampling: SamplingParams
+    reply_to: str  # subject the engine streams `TokenChunk`s and the final result to
+    policy_version: NonNegInt = 0
+    task: str = ""
+    affinity_engine: str = ""  # engine that served this trajectory's previous turn ("" = none)
+    attempt: NonNegInt = 0  # bumped by the client on a retry; engines de-duplicate on request_id
+    submitted_s: float = 0.0
+    # Simulated backend only: the output length the workload prescribes (real engines ignore it).
+    sim_output_tokens: NonNegInt = 0
+    # Simulated backend only: prompt tokens cacheable on an engine holding this trajectory's prefix.
+    sim_cacheable_tokens: NonNegInt = 0
+
+
+class DecodeHandoff(Message, frozen=True, kw_only=True):
+    """A prefilled request moving to a decode engine; names where its KV lives."""
+
+    request: GenerateRequest
+    prefill_engine: Id
+    first_token_id: int | None = None  # the token sampled by the prefill step, if any
+    first_logprob: float | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM KV-connector params (None on the sim backend)
+    kv_tokens: NonNegInt = 0  # tokens of KV to pull (prompt length)
+    prefill_new_tokens: NonNegInt = 0
+    prefill_cached_tokens: NonNegInt = 0
+    handed_off_s: float = 0.0
+
+
+WORK_MESSAGES = (GenerateRequest, DecodeHandoff)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Engine events, published by each engine agent on `Subjects.engine_events(engine_id)` (retained stream).
+
+
+class EngineEvent(Message, frozen=True, kw_only=True):
+    engine_id: Id
+    ts_s: float
+    seq: NonNegInt = 0  # per-engine event counter (reordering/duplicate detection)
+
+
+class PrefillDone(EngineEvent, frozen=True, kw_only=True):
+    request_id: Id
+    traj_id: Id
+    turn: NonNegInt
+    new_tokens: NonNegInt  # prompt tokens computed
+    cached_tokens: NonNegInt  # prompt tokens served from the prefix cache or a KV transfer
+    prefill_s: NonNegFloat = 0.0
+    handed_off: bool = False  # True: decode continues on another engine
+
+
+class ProgressItem(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: Id
+    traj_id: Id
+    turn: NonNegInt
+    output_tokens: NonNegInt  # total generated so far in this turn
+
+
+class TokenProgress(EngineEvent, frozen=True, kw_only=True):
+    """Batched decode progress: one message per engine step or ~100 ms, never one per token."""
+
+    items: list[ProgressItem]
+
+
+class RequestFinished(EngineEvent, frozen=True, kw_only=True):
+    request_id: Id
+    traj_id: Id
+    turn: NonNegInt
+    prompt_tokens: NonNegInt
+    cached_tokens: NonNegInt
+    output_tokens: NonNegInt
+    finish_reason: str = "length"  # "length" | "stop" | "abort"
+    queue_s: NonNegFloat = 0.0
+    ttft_s: NonNegFloat = 0.0
+    e2e_s: NonNegFloat = 0.0
+    policy_version: NonNegInt = 0
+
+
+class RequestFailed(EngineEvent, frozen=True, kw_only=True):
+    request_id: Id
+    traj_id: Id
+    turn: NonNegInt
+    error: str
+    retriable: bool = False
+
+
+ENGINE_EVENT_MESSAGES = (PrefillDone, TokenProgress, RequestFinished, RequestFailed)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Token stream to the client (core NATS, on the request's `reply_to`).
+
+
+class TokenChunk(Message, frozen=True, kw_only=True):
+    request_id: Id
+    index: NonNegInt  # chunk counter within the request, from 0; lets a client drop duplicates
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token when requested
+    finished: bool = False
+    finish_reason: str = ""
+    engine_id: str = ""
+    # Filled on the final chunk only:
+    prompt_tokens: NonNegInt = 0
+    cached_tokens: NonNegInt = 0
+    output_tokens: NonNegInt = 0
+    ttft_s: NonNegFloat = 0.0
+    e2e_s: NonNegFloat = 0.0
+    policy_version: NonNegInt = 0
+
+
+class ErrorReply(Message, frozen=True, kw_only=True):
+    """Answer to bad input where a reply subject exists; also published on `Subjects.errors`."""
+
+    kind: (
+        str  # "decode" | "schema_version" | "unknown_trajectory" | "stale_command" | "invalid_request" | ...
+    )
+    error: str
+    subject: str = ""
+    field: str = ""
+    request_id: str = ""
+    service: str = ""
+    ts_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Engine state and control.
+
+
+class EngineStats(Message, frozen=True, kw_only=True):
+    """Published every second on `Subjects.engine_stats(engine_id)`."""
+
+    engine_id: Id
+    ts_s: float
+    role: Role
+    epoch: NonNegInt  # newest role-switch epoch this engine has applied
+    backend: str = "sim"  # "sim" | "vllm"
+    running: NonNegInt = 0  # requests in the running batch
+    waiting: NonNegInt = 0  # requests pulled but not yet running
+    kv_used_tokens: NonNegInt = 0
+    kv_capacity_tokens: NonNegInt = 0
+    prefill_tokens_per_s: NonNegFloat = 0.0  # computed prompt tokens over the last interval
+    decode_tokens_per_s: NonNegFloat = 0.0  # generated tokens over the last interval
+    prefix_hit_rate: NonNegFloat = 0.0
+    policy_version: NonNegInt = 0
+    switching: bool = False
+    last_switch_s: NonNegFloat = 0.0  # duration of the last role switch
+    in_flight_tokens: NonNegInt = 0  # tokens still to compute for work it holds
+
+
+class RoleSwitchCommand(Message, frozen=True, kw_only=True):
+    """Request/reply on `Subjects.engine_command(engine_id)`; the reply is a `RoleSwitchAck`.
+
+    `epoch` increases monotonically per allocator; an engine ignores a command older than the newest it has seen
+    and answers a repeated one with the same ack.
+    """
+
+    engine_id: Id
+    role: Role
+    epoch: Annotated[int, Meta(ge=1)]
+    issued_s: float
+    reason: str = ""
+    drain_timeout_s: NonNegFloat = 30.0  # decodes that would outlast this are migrated by re-prefill
+
+
+class RoleSwitchAck(Message, frozen=True, kw_only=True):
+    engine_id: Id
+    epoch: NonNegInt
+    role: Role
+    ok: bool
+    error: str = ""
+    switch_s: NonNegFloat = 0.0  # command received → serving the new role
+    migrated_requests: NonNegInt = 0  # decodes handed back for re-prefill elsewhere
+    drained_requests: NonNegInt = 0  # requests finished in the old role before switching
+    ts_s: float = 0.0
+
+
+class AllocationPlan(Message, frozen=True, kw_only=True):
+    epoch: NonNegInt
+    policy: str
+    roles: dict[str, Role]  # engine_id -> role
+    ts_s: float
+    reason: str = ""
+    forecast_ts_s: float = 0.0
+
+
+class PolicyVersionUpdate(Message, frozen=True, kw_only=True):
+    """New weights: engines pick them up between requests and report the version they serve."""
+
+    version: NonNegInt
+    ts_s: float
+    weights_path: str = ""  # real engines: where the new weights are ("" = reload from the model path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tracker snapshots and demand forecasts.
+
+TrajectoryState = Literal["queued", "prefill", "decode", "tool_call", "finished", "aborted", "lost"]
+TRAJECTORY_STATES: tuple[str, ...] = (
+    "queued",
+    "prefill",
+    "decode",
+    "tool_call",
+    "finished",
+    "aborted",
+    "lost",
+)
+
+
+class TrajectoryFeatures(msgspec.Struct, frozen=True, kw_only=True):
+    """What a forecaster needs to know about one live trajectory."""
+
+    traj_id: str
+    task: str
+    state: TrajectoryState
+    time_in_state_s: NonNegFloat
+    turn: NonNegInt
+    context_tokens: NonNegInt
+    generated_this_turn: NonNegInt
+    tool: str = ""
+    policy_version: NonNegInt = 0
+    silent: bool = False  # no event for longer than the tracker's silence bound
+
+
+class LifecycleSnapshot(Message, frozen=True, kw_only=True):
+    ts_s: float
+    seq: NonNegInt
+    counts: dict[str, int]  # state -> live trajectories
+    counts_by_task: dict[str, dict[str, int]]  # task -> state -> count
+    context_tokens_by_state: dict[str, int]
+    trajectories: list[TrajectoryFeatures]
+    finished_total: NonNegInt = 0
+    aborted_total: NonNegInt = 0
+    lost_total: NonNegInt = 0
+    silent_total: NonNegInt = 0
+
+
+class Quantiles(msgspec.Struct, frozen=True, kw_only=True):
+    q10: float
+    q50: float
+    q90: float
+
+
+class HorizonForecast(msgspec.Struct, frozen=True, kw_only=True):
+    horizon_s: NonNegFloat
+    prefill_tokens: Quantiles  # new prompt tokens to prefill within the next horizon_s
+    decode_tokens: Quantiles  # output tokens to generate within the next horizon_s
+    decode_concurrency: Quantiles  # mean sequences decoding over the horizon
+    kv_tokens: Quantiles  # KV held by decoding sequences at the horizon
+
+
+class DemandForecast(Message, frozen=True, kw_only=True):
+    ts_s: float
+    predictor: str  # "naive" | "ewma" | "ets" | "arima" | "lifecycle" | "prorsa"
+    horizons: list[HorizonForecast]
+    snapshot_ts_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Health (request/reply on `Subjects.health`; every live service answers).
+
+
+class HealthRequest(Message, frozen=True, kw_only=True):
+    ts_s: float = 0.0
+
+
+class HealthReply(Message, frozen=True, kw_only=True):
+    service: str  # "engine_agent" | "trajectory_tracker" | "forecaster" | "allocator"
+    instance_id: str
+    status: Literal["ok", "degraded", "stopping"]
+    uptime_s: NonNegFloat
+    ts_s: float
+    details: dict[str, Any] = {}
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    *LIFECYCLE_MESSAGES,
+    *WORK_MESSAGES,
+    *ENGINE_EVENT_MESSAGES,
+    TokenChunk,
+    ErrorReply,
+    EngineStats,
+    RoleSwitchCommand,
+    RoleSwitchAck,
+    AllocationPlan,
+    PolicyVersionUpdate,
+    LifecycleSnapshot,
+    DemandForecast,
+    HealthRequest,
+    HealthReply,
+)
+
+__all__ = [m.__name__ for m in ALL_MESSAGES] + [
+    "LIFECYCLE_MESSAGES",
+    "WORK_MESSAGES",
+    "ENGINE_EVENT_MESSAGES",
+    "ROLES",
+    "TRAJECTORY_STATES",
+    "Message",
+    "LifecycleEvent",
+    "EngineEvent",
+    "SamplingParams",
+    "ProgressItem",
+    "TrajectoryFeatures",
+    "Quantiles",
+    "HorizonForecast",
+    "Role",
+    "TrajectoryState",
+]

