@@ -110,3 +110,12 @@ def test_struct_is_frozen() -> None:
     with pytest.raises(AttributeError):
         msg.turn = 4  # type: ignore[misc]
     assert isinstance(msg, msgspec.Struct)
+
+
+def test_proto_readme_is_generated_from_the_contract() -> None:
+    from pathlib import Path
+
+    from proto.docs import render
+
+    readme = Path(__file__).resolve().parents[1] / "proto" / "README.md"
+    assert readme.read_text() == render(), "run: python -m proto.docs > proto/README.md"
