@@ -121,6 +121,11 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     sim_output_tokens: NonNegInt = 0
     # Simulated backend only: prompt tokens cacheable on an engine holding this trajectory's prefix.
     sim_cacheable_tokens: NonNegInt = 0
+    # Migration (a decode moved off an engine that switched role): tokens already streamed to the client. The new
+    # engine prefills prompt + these, generates the rest (max_tokens counts the whole turn) and numbers its chunks
+    # from `next_chunk_index`, so the client sees one gap-free stream.
+    resume_token_ids: list[int] = []
+    next_chunk_index: NonNegInt = 0
 
 
 class DecodeHandoff(Message, frozen=True, kw_only=True):
