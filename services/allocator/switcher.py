@@ -1,0 +1,137 @@
+"""Turns a target allocation into safe role-switch commands (pure; `now` is a parameter).
+
+Rules, in the order they are applied:
+1. Never act on stale stats: an engine whose last `EngineStats` is older than `stale_after_s` is left alone (it may
+   be dead or partitioned; its work is redelivered by JetStream anyway).
+2. One command in flight per engine: an engine with an unacknowledged command is not commanded again until its ack
+   arrives or `ack_timeout_s` passes. A missing ack is never blindly retried: after the timeout the engine's next
+   stats say whether it applied the epoch, and the next plan starts from that.
+3. Epochs only increase: every command gets the next epoch, above any epoch seen in stats or acks (so an allocator
+   that restarts resumes above what engines have applied, and an engine can fence stale commands).
+4. Never leave a role empty while it has demand: commands that would leave no prefill-capable (prefill or mixed)
+   engine, or no decode-capable (decode or mixed) engine, while that role has demand are dropped.
+5. At most `max_concurrent` switches at once, least in-flight work first, so capacity never falls off a cliff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proto import EngineStats, RoleSwitchAck, RoleSwitchCommand
+
+PREFILL_CAPABLE = frozenset({"prefill", "mixed"})
+DECODE_CAPABLE = frozenset({"decode", "mixed"})
+
+
+@dataclass
+class _Outstanding:
+    epoch: int
+    role: str
+    issued_s: float
+
+
+@dataclass
+class SwitchCoordinator:
+    stale_after_s: float = 5.0
+    ack_timeout_s: float = 60.0
+    max_concurrent_fraction: float = 0.25
+    drain_timeout_s: float = 30.0
+    epoch: int = 0
+    stats: dict[str, EngineStats] = field(default_factory=dict)
+    seen_at_s: dict[str, float] = field(default_factory=dict)
+    outstanding: dict[str, _Outstanding] = field(default_factory=dict)
+    timeouts: int = 0
+    refused: int = 0
+
+    # --- inputs ---------------------------------------------------------------------------------------------
+    def observe_stats(self, s: EngineStats, now: float) -> None:
+        prev = self.stats.get(s.engine_id)
+        if prev is not None and s.ts_s < prev.ts_s:
+            return
+        self.stats[s.engine_id] = s
+        self.seen_at_s[s.engine_id] = now
+        self.epoch = max(self.epoch, s.epoch)
+        out = self.outstanding.get(s.engine_id)
+        if out is not None and s.epoch >= out.epoch and not s.switching:
+            del self.outstanding[s.engine_id]  # applied; the ack may have been lost
+
+    def observe_ack(self, ack: RoleSwitchAck, now: float) -> None:
+        self.epoch = max(self.epoch, ack.epoch)
+        out = self.outstanding.get(ack.engine_id)
+        if out is not None and ack.epoch >= out.epoch:
+            del self.outstanding[ack.engine_id]
+            if not ack.ok:
+                self.refused += 1
+
+    def expire(self, now: float) -> list[str]:
+        """Forget commands whose ack is overdue; returns the engines concerned (for logs and metrics)."""
+        late = [e for e, o in self.outstanding.items() if now - o.issued_s > self.ack_timeout_s]
+        for e in late:
+            del self.outstanding[e]
+        self.timeouts += len(late)
+        return late
+
+    # --- decisions ------------------------------------------------------------------------------------------
+    def fresh_engines(self, now: float) -> dict[str, EngineStats]:
+        return {e: s for e, s in self.stats.items() if now - self.seen_at_s[e] <= self.stale_after_s}
+
+    def current_roles(self, now: float) -> dict[str, str]:
+        """Role of every fresh engine, counting an unacknowledged command as already applied."""
+        roles = {e: s.role for e, s in self.fresh_engines(now).items()}
+        for e, o in self.outstanding.items():
+            if e in roles:
+                roles[e] = o.role
+        return roles
+
+    def commands_for(
+        self,
+        target: dict[str, str],
+        now: float,
+        prefill_demand: bool = True,
+        decode_demand: bool = True,
+        reason: str = "",
+    ) -> list[RoleSwitchCommand]:
+        """The commands that move the fleet toward `target` now, within the rules above."""
+        self.expire(now)
+        fresh = self.fresh_engines(now)
+        roles = self.current_roles(now)
+        wanted = [
+            e
+            for e, r in target.items()
+            if e in fresh and e not in self.outstanding and roles.get(e) != r and not fresh[e].switching
+        ]
+        wanted.sort(key=lambda e: (fresh[e].in_flight_tokens, fresh[e].running, e))  # least work first
+        budget = max(1, int(len(fresh) * self.max_concurrent_fraction)) - len(self.outstanding)
+        commands: list[RoleSwitchCommand] = []
+        for e in wanted:
+            if budget <= 0:
+                break
+            trial = dict(roles, **{e: target[e]})
+            if _uncovers(roles, trial, prefill_demand, decode_demand):
+                continue  # rule 4: this switch would empty a role that has demand
+            self.epoch += 1
+            commands.append(
+                RoleSwitchCommand(
+                    engine_id=e,
+                    role=target[e],
+                    epoch=self.epoch,  # type: ignore[arg-type]
+                    issued_s=now,
+                    reason=reason,
+                    drain_timeout_s=self.drain_timeout_s,
+                )
+            )
+            self.outstanding[e] = _Outstanding(self.epoch, target[e], now)
+            roles = trial
+            budget -= 1
+        return commands
+
+
+def _uncovers(
+    before: dict[str, str], after: dict[str, str], prefill_demand: bool, decode_demand: bool
+) -> bool:
+    """True if `after` leaves a role with demand without any capable engine that `before` had."""
+    b, a = set(before.values()), set(after.values())
+    for demand, capable in ((prefill_demand, PREFILL_CAPABLE), (decode_demand, DECODE_CAPABLE)):
+        if demand and b & capable and not a & capable:
+            return True
+    return False
