@@ -1,0 +1,160 @@
+"""The agentic RL rollout driver: replays a workload's trajectories over the live system through the client SDK.
+
+Each trajectory runs as its own task: turn k is submitted once turn k−1's output is back and its tool call (the
+trace's or profile's latency) has finished; its prompt is the whole history (for real engines: the previous prompt,
+the output ids the engine returned, and random ids standing for the tool's observation).
+
+RL modes (the same semantics as the simulator's):
+- sync (on-policy): a step's batch must all finish; then the trainer trains for `training_s` while rollout idles;
+  then a weights update (`PolicyVersionUpdate`, version + 1) and the next step.
+- async with staleness k: the next step starts as soon as a step's batch is done, while training runs alongside;
+  a trajectory whose policy version falls more than k versions behind is aborted and restarted under the new
+  weights (counted in `restarts`).
+
+Times: the simulated backend runs `speedup` virtual seconds per wall second, so the driver sleeps tool latencies
+and training for `virtual / speedup` wall seconds and reports every duration in virtual (workload) seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import proto
+from prorsa.client import RolloutClient
+from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
+from prorsa.workload.types import TrajectorySpec
+from proto import PolicyVersionUpdate, SamplingParams
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    steps: int = 1
+    mode: str = "sync"  # "sync" | "async"
+    staleness: int = 0
+    training_s: float = 30.0  # virtual seconds per training phase
+    speedup: float = 1.0  # virtual seconds per wall second (1.0 for real engines)
+    send_token_ids: bool = False  # real engines need ids; the simulated backend only needs lengths
+    token_scale: float = 1.0  # multiply every token count (fits a trace to a tiny real model)
+    vocab_size: int = 32000
+    seed: int = 0
+    turn_timeout_s: float = 600.0
+
+
+ProgressFn = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class RolloutDriver:
+    def __init__(
+        self, client: RolloutClient, config: RolloutConfig, progress: ProgressFn | None = None
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.progress = progress or (lambda what, done, total: None)
+        self.metrics = RolloutMetrics()
+        self.version = 0
+        self._t0 = 0.0
+        self._rng = np.random.default_rng(config.seed)
+        self._done = 0
+
+    def now_v(self) -> float:
+        """Virtual seconds since the rollout began."""
+        return (time.monotonic() - self._t0) * self.config.speedup
+
+    async def run(self, steps: list[list[TrajectorySpec]]) -> RolloutMetrics:
+        self._t0 = time.monotonic()
+        total = sum(len(s) for s in steps)
+        for i, batch in enumerate(steps):
+            for spec in batch:
+                self.metrics.records[spec.traj_id] = TrajectoryRecord(
+                    spec.traj_id, i, spec.task, len(spec.turns)
+                )
+        training: asyncio.Task | None = None
+        for batch in steps:
+            t_step = self.now_v()
+            await asyncio.gather(*(self._trajectory(spec, total) for spec in batch))
+            self.metrics.step_rollout_s.append(self.now_v() - t_step)
+            if self.config.mode == "sync":
+                await self._train()
+            else:
+                if training is not None:
+                    await training  # one training phase at a time: the trainer is a single job
+                training = asyncio.create_task(self._train())
+        if training is not None:
+            await training
+        self.metrics.total_s = self.now_v()
+        return self.metrics
+
+    async def _train(self) -> None:
+        await asyncio.sleep(self.config.training_s / self.config.speedup)
+        self.version += 1
+        update = PolicyVersionUpdate(version=self.version, ts_s=time.time())
+        await self.client.nc.publish(self.client.subjects.policy_version, proto.encode(update))
+
+    async def _trajectory(self, spec: TrajectorySpec, total: int) -> None:
+        rec = self.metrics.records[spec.traj_id]
+        rec.start_s = self.now_v()
+        attempt = 0
+        while not await self._attempt(spec, rec, attempt):
+            attempt += 1
+            rec.restarts += 1
+        rec.end_s = self.now_v()
+        rec.completed = True
+        self._done += 1
+        self.progress("trajectories", self._done, total)
+
+    async def _attempt(self, spec: TrajectorySpec, rec: TrajectoryRecord, attempt: int) -> bool:
+        """Run every turn; False if the trajectory went too stale (async mode) and must restart."""
+        cfg = self.config
+        version = self.version
+        traj_id = spec.traj_id if attempt == 0 else f"{spec.traj_id}-r{attempt}"
+        traj = await self.client.start_trajectory(
+            traj_id,
+            task=spec.task,
+            policy_version=version,
+            group=spec.group,
+            prompt_tokens=self._scaled(spec.turns[0].new_prompt_tokens),
+        )
+        ids: list[int] = []
+        context = 0
+        rec.turns_done = rec.prompt_tokens = rec.cached_tokens = rec.output_tokens = 0
+        for k, turn in enumerate(spec.turns):
+            if cfg.mode == "async" and self.version - version > cfg.staleness:
+                await traj.finish(status="aborted")
+                return False
+            new = self._scaled(turn.new_prompt_tokens) if k else max(1, self._scaled(turn.new_prompt_tokens))
+            if cfg.send_token_ids:
+                ids = ids + self._rng.integers(1, cfg.vocab_size, size=new).tolist()
+            cacheable = context
+            context += new
+            out_tokens = max(1, self._scaled(turn.output_tokens))
+            res = await traj.generate(
+                ids,
+                SamplingParams(max_tokens=out_tokens, ignore_eos=True, seed=cfg.seed),
+                prompt_len=context,
+                sim_output_tokens=out_tokens,
+                sim_cacheable_tokens=cacheable,
+                timeout_s=cfg.turn_timeout_s,
+            )
+            if cfg.send_token_ids:
+                ids = ids + list(res.token_ids)
+            context += len(res.token_ids)
+            rec.turns_done += 1
+            rec.prompt_tokens += res.prompt_tokens
+            rec.cached_tokens += res.cached_tokens
+            rec.output_tokens += len(res.token_ids)
+            if k + 1 < len(spec.turns):
+                await traj.tool_started("tool")
+                await asyncio.sleep(turn.tool_latency_s / cfg.speedup)
+                await traj.tool_finished(
+                    "tool", observation_tokens=self._scaled(spec.turns[k + 1].new_prompt_tokens)
+                )
+        await traj.finish(reward=0.0)
+        return True
+
+    def _scaled(self, tokens: int) -> int:
+        return int(round(tokens * self.config.token_scale))
