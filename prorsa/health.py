@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from urllib.parse import urlparse
 
 import nats
 
@@ -13,7 +15,12 @@ from proto import HealthReply, HealthRequest, ProtoError, Subjects
 
 async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float = 1.0) -> list[HealthReply]:
     """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance."""
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=2)
+    _check_reachable(nats_url)
+
+    async def quiet(exc: Exception) -> None:  # the caller reports failures; no tracebacks from the client
+        return None
+
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1, error_cb=quiet)
     try:
         inbox = nc.new_inbox()
         replies: list[HealthReply] = []
@@ -34,6 +41,18 @@ async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float 
         return sorted(replies, key=lambda r: (r.service, r.instance_id))
     finally:
         await nc.close()
+
+
+def _check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:
+    """Fail fast (ConnectionError) when no server listens at any of the URL's addresses."""
+    for part in nats_url.split(","):
+        u = urlparse(part.strip())
+        try:
+            socket.create_connection((u.hostname or "127.0.0.1", u.port or 4222), timeout=timeout_s).close()
+            return
+        except OSError:
+            continue
+    raise ConnectionError(f"no NATS server listening at {nats_url}")
 
 
 def format_health(replies: list[HealthReply]) -> str:

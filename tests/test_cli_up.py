@@ -1,0 +1,69 @@
+"""`prorsa up` starts embedded NATS and every service; `prorsa status` sees each of them healthy."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prorsa.system import CONTROL_SERVICES, service_exists
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_up_then_status_sees_every_service(tmp_path) -> None:
+    engines = 2 if service_exists("engine_agent") else 0
+    expected = [s for s in CONTROL_SERVICES if service_exists(s)] + ["engine_agent"] * engines
+    assert expected, "no service exists yet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorsa", "up", "--engines", str(engines), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 90
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.match(r"nats: (\S+)", line):
+                url = m.group(1)
+            if line.startswith("up:"):
+                break
+        assert url, "".join(lines)
+        assert f"up: {len(expected)}/{len(expected)} services healthy" in lines[-1], "".join(lines)
+        out = subprocess.run(
+            [sys.executable, "-m", "prorsa", "status", "--nats", url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        rows = [ln.split()[0] for ln in out.stdout.splitlines()[1:]]
+        assert sorted(rows) == sorted(expected)
+        assert all(" ok " in ln for ln in out.stdout.splitlines()[1:])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert "up: stopped" in rest
+
+
+def test_status_without_a_server_says_so() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "prorsa", "status", "--nats", "nats://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1 and "cannot reach NATS" in out.stdout
