@@ -1,0 +1,95 @@
+"""One unit of work an engine holds (a pulled JetStream message), and the checks a request must pass first.
+
+A `Job` lives from the moment its message is pulled until the message is acked (done, or handed on) or the engine
+dies (then JetStream redelivers it). Kinds: `prefill` (prefill role: prefill, then hand the KV to a decode engine),
+`decode` (a DecodeHandoff: pull the KV, stream the rest) and `generate` (mixed role: prefill and decode here).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from proto import DecodeHandoff, GenerateRequest
+from services.engine_agent.role_state import JobKind
+
+Phase = Literal["queued", "prefill", "decode", "done"]
+Outcome = Literal["", "finished", "handed_off", "migrated", "requeued", "failed", "retried"]
+
+# A reply subject the engine may publish to: dot-separated non-empty tokens, no whitespace or wildcards, and not a
+# system subject ("$JS.API...", "$SYS..."): a hostile reply_to must not turn our token stream into an API call.
+_REPLY_SUBJECT = re.compile(r"^[^\s.*>$\x00-\x1f\x7f][^\s.*>\x00-\x1f\x7f]*(\.[^\s.*>\x00-\x1f\x7f]+)*$")
+MAX_SUBJECT_LEN = 512
+
+
+@dataclass(eq=False)
+class Job:
+    kind: JobKind
+    request: GenerateRequest
+    msg: Any  # nats Msg to ack; replaced when JetStream redelivers the same message while it runs
+    stream_seq: int  # the message's sequence in the WORK stream: what a redelivery shares with the original
+    expected_tokens: int  # whole-turn output the backend expects
+    pulled_wall_s: float
+    pulled_mono: float
+    handoff: DecodeHandoff | None = None
+    kv_reserved_tokens: int = 0
+    next_index: int = 0  # index of the next TokenChunk
+    streamed_ids: list[int] = field(
+        default_factory=list
+    )  # tokens this engine streamed (after the resume ones)
+    first_stream_mono: float | None = None
+    last_stream_mono: float | None = None
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (for events and the final chunk)
+    prefill_engine: str = ""
+    phase: Phase = "queued"
+    stop: bool = False  # asked to stop and hand the work on (role switch, shutdown)
+    outcome: Outcome = ""
+    reported_tokens: int = -1  # output count in the last TokenProgress
+    task: Any = None  # asyncio.Task running it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def context_tokens(self) -> int:
+        return self.request.prompt_len + len(self.request.resume_token_ids)
+
+    @property
+    def output_tokens(self) -> int:
+        """Output of the whole turn so far: resumed tokens plus those streamed here."""
+        return len(self.request.resume_token_ids) + len(self.streamed_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.expected_tokens - self.output_tokens)
+
+    def s_per_token(self) -> float | None:
+        """Observed inter-token time of this request here (wall seconds), or None before two streamed tokens."""
+        n = len(self.streamed_ids)
+        if n < 2 or self.first_stream_mono is None or self.last_stream_mono is None:
+            return None
+        return max(0.0, self.last_stream_mono - self.first_stream_mono) / (n - 1)
+
+
+def valid_reply_subject(subject: str) -> bool:
+    return 0 < len(subject) <= MAX_SUBJECT_LEN and bool(_REPLY_SUBJECT.match(subject))
+
+
+def request_problem(request: GenerateRequest, max_model_len: int) -> str:
+    """Why the request can never run here ("" if it can). A bad request is failed, not retried."""
+    if not valid_reply_subject(request.reply_to):
+        return f"reply_to {request.reply_to[:80]!r} is not a subject the engine may publish to"
+    if request.prompt_token_ids and len(request.prompt_token_ids) != request.prompt_len:
+        return f"prompt_len {request.prompt_len} differs from the {len(request.prompt_token_ids)} prompt ids sent"
+    context = request.prompt_len + len(request.resume_token_ids)
+    if context == 0:
+        return "empty prompt"
+    if context >= max_model_len:
+        return f"prompt of {context} tokens exceeds max_model_len {max_model_len}"
+    if len(request.resume_token_ids) > request.sampling.max_tokens:
+        return (
+            f"{len(request.resume_token_ids)} resumed tokens exceed max_tokens {request.sampling.max_tokens}"
+        )
+    return ""

@@ -1,0 +1,228 @@
+"""Pulls work for the engine's role from the JetStream WORK queue, only as much as the engine can take now.
+
+Consumers. WORK is a work-queue stream, so no two consumers may have overlapping filter subjects. Every engine
+binds the same four durables: the shared `prefill-any` / `decode-any` (filters `work.prefill.any`,
+`work.decode.any`; JetStream hands each message to exactly one of the engines fetching) and its own
+`prefill-<id>` / `decode-<id>` for work addressed to it (prefix affinity). The first engine to bind a durable
+creates it with this engine's `ack_wait`, so all engines of one deployment should use the same value.
+
+Preference. Each round fetches the engine's own queue first (a short poll) and then the shared one (a long poll,
+which returns as soon as a message arrives). A mixed engine also takes decode handoffs, but only in a round where
+no prefill work came, and at most every `decode_check_s`.
+
+Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
+message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
+cancelled), so no pull request lingers on the server to deliver a message nobody reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from proto import DecodeHandoff, GenerateRequest, Subjects
+from services.engine_agent.capacity import EngineLimits, WorkKind, pull_size
+from services.engine_agent.runner import JobRunner
+
+
+@dataclass(frozen=True, slots=True)
+class PullConfig:
+    ack_wait_s: float = 30.0
+    own_poll_s: float = 0.02  # poll of the engine's own (addressed) queue
+    any_poll_s: float = 0.25  # long poll of the shared queue
+    decode_check_s: float = 0.5  # mixed role: how often to look at decode handoffs when idle
+    max_fetch: int = 16
+    prefill_budget_tokens: int = 32_768
+    max_ack_pending: int = 100_000
+
+
+def durable_name(kind: WorkKind, engine_id: str | None) -> str:
+    """Durable consumer name: "<kind>-any", or "<kind>-<engine id>" (':' is not safe in every client)."""
+    return f"{kind}-{'any' if engine_id is None else engine_id.replace(':', '_')}"
+
+
+class WorkPuller:
+    def __init__(self, agent: Any, runner: JobRunner, config: PullConfig) -> None:
+        self.agent = agent
+        self.runner = runner
+        self.config = config
+        self.subs: dict[tuple[WorkKind, bool], Any] = {}  # (kind, own) -> pull subscription
+        self._pause_reasons: set[str] = set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._last_decode_check = 0.0
+        self.fetch_errors = 0
+
+    def subject(self, kind: WorkKind, own: bool) -> str:
+        s: Subjects = self.agent.subjects
+        engine_id = self.agent.engine_id
+        if kind == "prefill":
+            return s.prefill_work_for(engine_id) if own else s.prefill_work_any
+        return s.decode_work_for(engine_id) if own else s.decode_work_any
+
+    async def setup(self) -> None:
+        """Bind (or create) the four durable consumers."""
+        js = self.agent.js
+        for kind in ("prefill", "decode"):
+            for own in (True, False):
+                subject = self.subject(kind, own)  # type: ignore[arg-type]
+                durable = durable_name(kind, self.agent.engine_id if own else None)  # type: ignore[arg-type]
+                config = ConsumerConfig(
+                    durable_name=durable,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=self.config.ack_wait_s,
+                    max_ack_pending=self.config.max_ack_pending,
+                    filter_subject=subject,
+                )
+                self.subs[(kind, own)] = await js.pull_subscribe(
+                    subject, durable=durable, stream=self.agent.subjects.work_stream, config=config
+                )
+                self.agent.consumed.append(subject)
+
+    async def close(self) -> None:
+        """Unsubscribe the pull subscriptions (before the connection drains: a pull inbox can hold late status
+        messages that no fetch will read, and draining would wait for them). Unacked work stays in the stream."""
+        for psub in self.subs.values():
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        self.subs.clear()
+
+    # -- pausing -------------------------------------------------------------------------------------------------
+
+    def pause(self, reason: str) -> None:
+        self._pause_reasons.add(reason)
+        self._resumed.clear()
+
+    def resume(self, reason: str) -> None:
+        self._pause_reasons.discard(reason)
+        if not self._pause_reasons:
+            self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._pause_reasons)
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until pulling is paused and no fetch is in flight (bounded: a stuck fetch must not stall a switch)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            if self._pause_reasons:
+                self._idle.set()
+                await self._resumed.wait()
+                continue
+            self._idle.clear()
+            try:
+                took = await self._round(self.agent.role)
+            except Exception as exc:  # our bug: log it, keep pulling (a dead pull loop would idle the engine)
+                self.agent.metrics.count_error("pull")
+                self.agent.log.exception("pull_round_failed", error=repr(exc))
+                took = -1
+            if took < 0:
+                await asyncio.sleep(0.01)  # no capacity for anything: wait for work to finish
+
+    async def _round(self, role: str) -> int:
+        """One pass over this role's queues; returns messages taken, or -1 if there was no room for any."""
+        if role == "decode":
+            return await self._pull_kind("decode", self.config.any_poll_s)
+        any_poll = self.config.any_poll_s
+        check_decode = (
+            role == "mixed" and time.monotonic() - self._last_decode_check >= self.config.decode_check_s
+        )
+        if check_decode:
+            any_poll = self.config.own_poll_s  # keep the round short: the decode queues follow
+        took = await self._pull_kind("prefill", any_poll)
+        if check_decode and took <= 0 and not self._pause_reasons:
+            self._last_decode_check = time.monotonic()
+            decode_took = await self._pull_kind("decode", self.config.own_poll_s)
+            took = max(took, decode_took)
+        return took
+
+    async def _pull_kind(self, kind: WorkKind, any_poll_s: float) -> int:
+        total = 0
+        room = False
+        for own, poll_s in ((True, self.config.own_poll_s), (False, any_poll_s)):
+            if self._pause_reasons:
+                break  # a switch is waiting for this round to end
+            n = self._capacity(kind)
+            if n <= 0:
+                continue
+            room = True
+            total += await self._fetch(kind, own, n, poll_s)
+        return total if room else -1
+
+    def _capacity(self, kind: WorkKind) -> int:
+        stats = self.agent.backend.stats()
+        limits = EngineLimits(
+            max_batch=stats.max_batch,
+            kv_capacity_tokens=stats.kv_capacity_tokens,
+            prefill_budget_tokens=self.config.prefill_budget_tokens,
+            max_fetch=self.config.max_fetch,
+        )
+        return pull_size(
+            self.agent.role,
+            kind,
+            limits,
+            self.runner.held(),
+            self.runner.est_prompt_tokens.value,
+            self.runner.est_kv_tokens.value,
+        )
+
+    async def _fetch(self, kind: WorkKind, own: bool, n: int, timeout_s: float) -> int:
+        psub = self.subs[(kind, own)]
+        try:
+            msgs = await psub.fetch(n, timeout=timeout_s)
+        except (TimeoutError, NatsTimeoutError):
+            return 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # disconnected, server restarting: back off
+            self.fetch_errors += 1
+            self.agent.metrics.count_error("fetch")
+            self.agent.log.debug("fetch_failed", error=repr(exc))
+            await asyncio.sleep(0.25)
+            return 0
+        expected = GenerateRequest if kind == "prefill" else DecodeHandoff
+        for m in msgs:
+            work = await self.agent.receive(m, expected)
+            if work is None:
+                continue  # bad input: answered and term()'d by Service.receive
+            try:
+                await self.runner.admit(work, m)
+            except Exception as exc:
+                self.agent.metrics.count_error("handler")
+                self.agent.log.exception("admit_failed", subject=m.subject, error=repr(exc))
+                with contextlib.suppress(Exception):
+                    await m.nak(delay=1.0)
+        return len(msgs)
+
+    async def forward_addressed(self, kind: WorkKind) -> int:
+        """Move work addressed to this engine to the shared queue (it is leaving the role that serves it)."""
+        psub = self.subs[(kind, True)]
+        target = self.subject(kind, False)
+        moved = 0
+        while True:
+            try:
+                msgs = await psub.fetch(self.config.max_fetch, timeout=0.05)
+            except (TimeoutError, NatsTimeoutError):
+                return moved
+            except Exception as exc:
+                self.agent.log.warning("forward_failed", kind=kind, error=repr(exc))
+                return moved
+            for m in msgs:
+                seq = m.metadata.sequence.stream
+                await self.agent.js.publish(target, m.data, headers={"Nats-Msg-Id": f"fwd:{m.subject}:{seq}"})
+                with contextlib.suppress(Exception):
+                    await m.ack()
+                moved += 1

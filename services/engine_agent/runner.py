@@ -1,0 +1,439 @@
+"""Runs the work an engine pulled: prefill and hand off, decode a handoff, or generate locally; acks it when done.
+
+Rules that keep every request exactly once for the client:
+- A message is acked only when its work is done (finished, or its DecodeHandoff stored in JetStream) or handed on
+  (migrated / requeued, the new message stored first). A crash leaves it unacked: JetStream redelivers it.
+- Redelivery is recognised by the message's stream sequence: a (request_id, sequence) already done is acked without
+  work; one still running here just takes the newer delivery for its ack. Another message for a request running
+  here (a client retry) is nak'ed with a delay: it runs after this one, and the client keeps the first result.
+- Chunks are numbered from the request's `next_chunk_index`. A token is recorded as streamed *before* its chunk is
+  published, so a migration resumes exactly after the last chunk the client can have received.
+- Handing on: a job that streamed nothing is requeued unchanged (a handoff to the decode queue, a request to the
+  prefill queue); one that streamed tokens migrates as a GenerateRequest on `work.prefill.any` with
+  `resume_token_ids` = everything streamed so far and `next_chunk_index` = the next index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from proto import (
+    DecodeHandoff,
+    GenerateRequest,
+    Message,
+    PrefillDone,
+    ProgressItem,
+    RequestFailed,
+    RequestFinished,
+    Subjects,
+    TokenProgress,
+)
+from services.engine_agent import outputs
+from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
+from services.engine_agent.capacity import Ewma, HeldWork, kv_reservation_tokens
+from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
+
+MAX_DONE_KEYS = 100_000  # (request_id, stream sequence) pairs remembered for de-duplication
+MAX_DELIVERIES_ON_ERROR = 3  # an engine error naks the work for redelivery this many times, then fails it
+DEFAULT_S_PER_TOKEN = 0.05  # inter-token time assumed before any has been observed
+
+
+class AgentIO(Protocol):
+    """What the runner needs from the agent (the Service): identity, backend, publishing."""
+
+    engine_id: str
+    subjects: Subjects
+    backend: Backend
+    policy_version: int
+    log: Any
+    metrics: Any
+
+    @property
+    def role(self) -> str: ...
+
+    async def publish(self, subject: str, msg: Message, reply: str = "") -> None: ...
+
+    async def js_publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None: ...
+
+    async def emit(self, cls: type[Message], **fields: Any) -> None: ...
+
+    async def reject(
+        self, msg: Any, kind: str, error: str, field: str = "", request_id: str = ""
+    ) -> None: ...
+
+    def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]: ...
+
+
+class JobRunner:
+    def __init__(self, io: AgentIO, chunk_interval_s: float = 0.02) -> None:
+        self.io = io
+        self.chunk_interval_s = chunk_interval_s
+        self.jobs: dict[str, Job] = {}
+        self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.est_prompt_tokens = Ewma(2048.0)
+        self.est_kv_tokens = Ewma(4096.0)
+        # Cumulative counters, read by the stats loop.
+        self.prefill_new_tokens = 0
+        self.prefill_cached_tokens = 0
+        self.decode_tokens = 0
+        self.duplicates = 0
+        self.kv_lost = 0
+
+    # -- admission -----------------------------------------------------------------------------------------------
+
+    async def admit(self, work: GenerateRequest | DecodeHandoff, msg: Any) -> None:
+        """Take one pulled message: de-duplicate, check, and start its job."""
+        request = work.request if isinstance(work, DecodeHandoff) else work
+        seq = _stream_seq(msg)
+        key = (request.request_id, seq)
+        if key in self._done:
+            self.duplicates += 1
+            await _quietly(msg.ack())
+            return
+        running = self.jobs.get(request.request_id)
+        if running is not None:
+            if running.stream_seq == seq:
+                running.msg = msg  # redelivered while running: ack the newest delivery
+            else:
+                await _quietly(msg.nak(delay=1.0))
+            return
+        problem = request_problem(request, self.io.backend.max_model_len)
+        if problem:
+            await self.fail_bad_request(request, msg, problem)
+            return
+        job = self._new_job(work, request, msg, seq)
+        self.jobs[request.request_id] = job
+        job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
+
+    def _new_job(
+        self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int
+    ) -> Job:
+        if isinstance(work, DecodeHandoff):
+            kind = "decode"
+        else:
+            kind = "prefill" if self.io.role == "prefill" else "generate"
+        expected = self.io.backend.expected_output_tokens(request)
+        context = request.prompt_len + len(request.resume_token_ids)
+        self.est_prompt_tokens.observe(context)
+        self.est_kv_tokens.observe(context + expected)
+        return Job(
+            kind=kind,  # type: ignore[arg-type]
+            request=request,
+            msg=msg,
+            stream_seq=seq,
+            expected_tokens=expected,
+            pulled_wall_s=time.time(),
+            pulled_mono=time.monotonic(),
+            handoff=work if isinstance(work, DecodeHandoff) else None,
+            kv_reserved_tokens=0 if kind == "prefill" else kv_reservation_tokens(context, expected),
+            next_index=request.next_chunk_index,
+            prefill_engine=work.prefill_engine if isinstance(work, DecodeHandoff) else self.io.engine_id,
+        )
+
+    def held(self) -> HeldWork:
+        """The load of held jobs, for capacity-driven pulling."""
+        prefill_jobs = prefill_tokens = decode_jobs = kv = 0
+        for job in self.jobs.values():
+            if job.kind != "decode" and job.phase in ("queued", "prefill"):
+                prefill_jobs += 1
+                prefill_tokens += job.context_tokens
+            if job.kind != "prefill":
+                decode_jobs += 1
+                kv += job.kv_reserved_tokens
+        return HeldWork(prefill_jobs, prefill_tokens, decode_jobs, kv)
+
+    def in_flight_tokens(self) -> int:
+        """Tokens still to compute for held work: prompts not prefilled yet plus output not generated yet."""
+        total = 0
+        for job in self.jobs.values():
+            if job.kind != "decode" and job.phase in ("queued", "prefill"):
+                total += job.context_tokens
+            if job.kind != "prefill":
+                total += job.remaining_tokens
+        return total
+
+    def s_per_token(self, job: Job) -> float:
+        """The job's observed inter-token time, else the mean over running jobs, else a default."""
+        own = job.s_per_token()
+        if own is not None:
+            return own
+        seen = [s for j in self.jobs.values() if (s := j.s_per_token()) is not None]
+        return sum(seen) / len(seen) if seen else DEFAULT_S_PER_TOKEN
+
+    async def stop_job(self, job: Job) -> None:
+        """Ask a job to stop and hand its work on (it acks the message once the new one is stored)."""
+        job.stop = True
+        await self.io.backend.abort(job.request_id)
+
+    # -- running -------------------------------------------------------------------------------------------------
+
+    async def _run(self, job: Job) -> None:
+        try:
+            if job.stop:  # stopped before it started: hand it on untouched
+                await self._hand_on(job)
+            elif job.remaining_tokens == 0 and job.kind != "decode":
+                await self._send(job, [], None, final=True, reason="length")
+                await self._finished(job, "length")
+            elif job.kind == "prefill":
+                await self._run_prefill(job)
+            elif job.kind == "decode":
+                await self._run_decode(job)
+            else:
+                await self._stream(job, self.io.backend.generate(job.request))
+        except asyncio.CancelledError:
+            raise  # the agent is going away: the unacked message is redelivered
+        except Exception as exc:
+            await self._engine_error(job, exc)
+        finally:
+            job.phase = "done"
+            if self.jobs.get(job.request_id) is job:
+                del self.jobs[job.request_id]
+
+    async def _run_prefill(self, job: Job) -> None:
+        req = job.request
+        job.phase = "prefill"
+        try:
+            res = await self.io.backend.prefill(req)
+        except RequestAborted:
+            if not job.stop:
+                raise
+            await self._hand_on(job)
+            return
+        self._count_prefill(res.new_tokens, res.cached_tokens)
+        job.cached_tokens = res.cached_tokens
+        if res.finished:  # the first token ends the turn: answer it here, nothing to hand off
+            lps = [res.first_logprob] if res.first_logprob is not None else None
+            await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=False)
+            await self._send(job, [res.first_token_id], lps, final=True, reason=res.finish_reason or "length")
+            await self._finished(job, res.finish_reason or "length")
+            return
+        handoff = outputs.decode_handoff(job, res, self.io.engine_id, time.time())
+        msg_id = f"{req.request_id}#{req.attempt}:h{job.stream_seq}"
+        await self.io.js_publish(self.io.subjects.decode_work_any, handoff, msg_id=msg_id)
+        await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=True)
+        await self._complete(job, "handed_off")
+
+    async def _run_decode(self, job: Job) -> None:
+        h = job.handoff
+        assert h is not None
+        job.cached_tokens = h.prefill_cached_tokens
+        if h.first_token_id is None:  # nothing sampled, nothing to resume from: prefill it again
+            self.kv_lost += 1
+            await self._hand_on(job, to_prefill=True)
+            return
+        lps = [h.first_logprob] if h.first_logprob is not None else None
+        job.phase = "decode"
+        final = job.output_tokens + 1 >= job.expected_tokens
+        await self._send(job, [h.first_token_id], lps, final=final, reason="length" if final else "")
+        if final:
+            await self._finished(job, "length")
+            return
+        await self._stream(job, self.io.backend.decode(h))
+
+    async def _stream(self, job: Job, stream: AsyncIterator[GenChunk]) -> None:
+        """Relay a backend stream to the client until it finishes, or until the job is asked to stop."""
+        if job.kind == "generate":
+            job.phase = "prefill"
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            while not job.stop:
+                try:
+                    chunk = await anext(stream)
+                except StopAsyncIteration:
+                    if job.stop:
+                        break
+                    raise RuntimeError("backend stream ended without a final chunk") from None
+                except KvUnavailable as exc:
+                    self.kv_lost += 1
+                    self.io.log.warning("kv_unavailable", request_id=job.request_id, error=str(exc))
+                    await self._hand_on(job, to_prefill=True)
+                    return
+                if chunk.prefill is not None:
+                    info = chunk.prefill
+                    self._count_prefill(info.new_tokens, info.cached_tokens)
+                    job.cached_tokens = info.cached_tokens
+                    job.phase = "decode"
+                    await self._prefill_done(job, info.new_tokens, info.cached_tokens, info.prefill_s, False)
+                self.decode_tokens += len(chunk.token_ids)
+                if chunk.finished and chunk.finish_reason != "abort":
+                    await self._send(
+                        job, chunk.token_ids, chunk.logprobs, final=True, reason=chunk.finish_reason
+                    )
+                    await self._finished(job, chunk.finish_reason)
+                    return
+                if job.stop:
+                    break  # these tokens never reach the client: the next engine generates them again
+                if chunk.token_ids:
+                    await self._send(job, chunk.token_ids, chunk.logprobs)
+                # Let tokens accumulate in the backend: one chunk per request per interval, not one per token.
+                await asyncio.sleep(self.chunk_interval_s)
+        await self.io.backend.abort(job.request_id)
+        await self._hand_on(job)
+
+    # -- output --------------------------------------------------------------------------------------------------
+
+    async def _send(
+        self, job: Job, ids: list[int], logprobs: list[float] | None, final: bool = False, reason: str = ""
+    ) -> None:
+        now = time.monotonic()
+        if ids:
+            if job.first_stream_mono is None:
+                job.first_stream_mono = now
+            job.last_stream_mono = now
+        job.streamed_ids.extend(ids)  # before publishing: see the module docstring
+        index = job.next_index
+        job.next_index += 1
+        chunk = outputs.token_chunk(
+            job,
+            index,
+            ids,
+            logprobs,
+            engine_id=self.io.engine_id,
+            final=final,
+            reason=reason,
+            policy_version=self.io.policy_version,
+            now_s=time.time(),
+            now_mono=now,
+        )
+        await self.io.publish(job.request.reply_to, chunk)
+
+    async def _prefill_done(
+        self, job: Job, new: int, cached: int, prefill_s: float, handed_off: bool
+    ) -> None:
+        req = job.request
+        await self.io.emit(
+            PrefillDone,
+            request_id=req.request_id,
+            traj_id=req.traj_id,
+            turn=req.turn,
+            new_tokens=new,
+            cached_tokens=cached,
+            prefill_s=max(0.0, prefill_s),
+            handed_off=handed_off,
+        )
+
+    async def _finished(self, job: Job, reason: str) -> None:
+        fields = outputs.finished_fields(job, reason, self.io.policy_version, time.time(), time.monotonic())
+        await self.io.emit(RequestFinished, **fields)
+        await self._complete(job, "finished")
+
+    async def _complete(self, job: Job, outcome: str) -> None:
+        job.outcome = outcome  # type: ignore[assignment]
+        self._done[(job.request_id, job.stream_seq)] = None
+        while len(self._done) > MAX_DONE_KEYS:
+            self._done.popitem(last=False)
+        await _quietly(job.msg.ack())
+
+    # -- handing on and failing ----------------------------------------------------------------------------------
+
+    async def _hand_on(self, job: Job, to_prefill: bool = False) -> None:
+        """Put the work back on a queue (see the module docstring), then ack the original message."""
+        subjects = self.io.subjects
+        if self.jobs.get(job.request_id) is job:
+            del self.jobs[job.request_id]  # so this engine may take the handed-on copy at once
+        if job.streamed_ids:
+            moved = outputs.migrated_request(job)
+            await self.io.js_publish(
+                subjects.prefill_work_any, moved, msg_id=outputs.hand_on_msg_id(job, moved)
+            )
+            outcome = "migrated"
+        else:
+            msg_id = outputs.hand_on_msg_id(job, None)
+            if job.handoff is not None and not to_prefill:
+                await self.io.js_publish(subjects.decode_work_any, job.handoff, msg_id=msg_id)
+            else:
+                await self.io.js_publish(subjects.prefill_work_any, job.request, msg_id=msg_id)
+            outcome = "requeued"
+        self.io.log.info(
+            "work_handed_on", request_id=job.request_id, outcome=outcome, streamed=len(job.streamed_ids)
+        )
+        await self._complete(job, outcome)
+
+    async def _engine_error(self, job: Job, exc: Exception) -> None:
+        """The engine (or this code) failed a request: redeliver it a few times, then fail it for good."""
+        self.io.metrics.count_error("engine")
+        self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
+        deliveries = _num_delivered(job.msg)
+        if deliveries < MAX_DELIVERIES_ON_ERROR:
+            job.outcome = "retried"
+            await _quietly(job.msg.nak(delay=1.0))
+            return
+        await self._failed(job.request, job.msg, f"engine error: {exc!r}", job.next_index, kind="engine")
+        job.outcome = "failed"
+
+    async def fail_bad_request(self, request: GenerateRequest, msg: Any, problem: str) -> None:
+        await self._failed(request, msg, problem, request.next_chunk_index, kind="invalid_request")
+
+    async def _failed(self, request: GenerateRequest, msg: Any, error: str, index: int, kind: str) -> None:
+        """RequestFailed event, a final error chunk to the client, ErrorReply on the errors subject, term()."""
+        await self.io.emit(
+            RequestFailed,
+            request_id=request.request_id,
+            traj_id=request.traj_id,
+            turn=request.turn,
+            error=error,
+            retriable=False,
+        )
+        if valid_reply_subject(request.reply_to):
+            with contextlib.suppress(Exception):
+                await self.io.publish(
+                    request.reply_to, outputs.error_chunk(request, index, error, self.io.engine_id)
+                )
+        await self.io.reject(msg, kind, error, request_id=request.request_id)
+
+    # -- periodic ------------------------------------------------------------------------------------------------
+
+    async def heartbeat_loop(self, interval_s: float) -> None:
+        """Tell JetStream that held work is still in progress, so its ack_wait does not expire."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for job in list(self.jobs.values()):
+                await _quietly(job.msg.in_progress())
+
+    async def progress_loop(self, interval_s: float) -> None:
+        """One TokenProgress per interval listing every decoding request that made progress (never per token)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            items = []
+            for job in list(self.jobs.values()):
+                if job.phase == "decode" and job.output_tokens != job.reported_tokens:
+                    job.reported_tokens = job.output_tokens
+                    req = job.request
+                    items.append(
+                        ProgressItem(
+                            request_id=req.request_id,
+                            traj_id=req.traj_id,
+                            turn=req.turn,
+                            output_tokens=job.output_tokens,
+                        )
+                    )
+            if items:
+                await self.io.emit(TokenProgress, items=items)
+
+    def _count_prefill(self, new: int, cached: int) -> None:
+        self.prefill_new_tokens += new
+        self.prefill_cached_tokens += cached
+
+
+def _stream_seq(msg: Any) -> int:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:  # not a JetStream message (tests feeding core messages): no redelivery to recognise
+        return -1
+
+
+def _num_delivered(msg: Any) -> int:
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:
+        return 1
+
+
+async def _quietly(aw: Any) -> None:
+    """Ack/nak/in_progress: best effort. Lost, they only cause a redelivery, which de-duplication absorbs."""
+    with contextlib.suppress(Exception):
+        await aw

@@ -1,0 +1,216 @@
+"""Engine agents on the simulated backend against a real nats-server: the flow of a turn, colocated and
+disaggregated, with its events, stats, bad input and a handoff whose KV is gone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+import proto
+from proto import (
+    DecodeHandoff,
+    EngineStats,
+    PolicyVersionUpdate,
+    PrefillDone,
+    RequestFailed,
+    RequestFinished,
+    Subjects,
+    TokenProgress,
+)
+from tests.engine_agent_support import (
+    Watcher,
+    expected_ids,
+    make_agent,
+    publish_work,
+    request,
+    wait_until,
+    wait_work_queue_empty,
+)
+
+S = Subjects()
+
+
+async def test_mixed_engine_streams_every_token_and_publishes_events(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    stats: list[EngineStats] = []
+    await nc.subscribe(S.engine_stats("mix-0"), cb=collect(stats, EngineStats))
+    agent = make_agent(nats_server.url, "mix-0", "mixed", speedup=5.0)
+    await agent.start()
+    try:
+        rids = [f"m{i}" for i in range(3)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=300, prompt_len=3000))
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 300)
+            assert len(chunks) > 3  # streamed as it decodes, not in one piece
+            final = chunks[-1]
+            assert final.finish_reason == "length" and final.engine_id == "mix-0"
+            assert final.prefill_engine == "mix-0" and final.prompt_tokens == 3000
+            assert 0 < final.ttft_s <= final.e2e_s
+        await wait_until(lambda: len(watcher.of(RequestFinished)) == 3)
+        prefills = watcher.of(PrefillDone)
+        assert sorted(p.request_id for p in prefills) == rids
+        assert all(p.new_tokens == 3000 and not p.handed_off for p in prefills)
+        assert {f.output_tokens for f in watcher.of(RequestFinished)} == {300}
+        progress = watcher.of(TokenProgress)
+        assert 0 < len(progress) < 900 / 10  # batched: far fewer messages than tokens
+        assert max(len(p.items) for p in progress) == 3  # one message lists every running request
+        seqs = [e.seq for e in watcher.events if isinstance(e, proto.EngineEvent)]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        await wait_until(lambda: any(s.decode_tokens_per_s > 0 for s in stats))
+        assert all(s.role == "mixed" and s.backend == "sim" and s.kv_capacity_tokens > 0 for s in stats)
+    finally:
+        await agent.stop()
+
+
+async def test_disaggregated_client_gets_exactly_max_tokens_once(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "pre-0", "prefill")
+    decode = make_agent(nats_server.url, "dec-0", "decode")
+    await prefill.start()
+    await decode.start()
+    try:
+        rids = [f"d{i}" for i in range(4)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=120))
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 120)
+            assert {c.engine_id for c in chunks} == {"dec-0"}
+            assert chunks[-1].prefill_engine == "pre-0"
+        await wait_until(lambda: len(watcher.of(RequestFinished)) == 4)
+        assert all(p.handed_off and p.engine_id == "pre-0" for p in watcher.of(PrefillDone))
+        assert {f.engine_id for f in watcher.of(RequestFinished)} == {"dec-0"}
+        # Every piece of work was acked: nothing is left in the work queue.
+        await wait_work_queue_empty(nc)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_an_idle_mixed_engine_decodes_handoffs(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "hp-0", "prefill")
+    mixed = make_agent(nats_server.url, "hm-0", "mixed")
+    await prefill.start()
+    await mixed.start()
+    try:
+        rids = [f"h{i}" for i in range(2)]
+        for rid in rids:  # addressed to the prefill engine, so they reach the mixed one only as handoffs
+            await publish_work(nc, S.prefill_work_for("hp-0"), request(rid, max_tokens=30))
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 30)
+            assert {c.engine_id for c in chunks} == {"hm-0"} and chunks[-1].prefill_engine == "hp-0"
+    finally:
+        await prefill.stop()
+        await mixed.stop()
+
+
+async def test_affinity_work_goes_to_its_engine_and_hits_the_prefix_cache(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agents = [make_agent(nats_server.url, f"aff-{i}", "mixed") for i in range(2)]
+    for a in agents:
+        await a.start()
+    try:
+        first = request("a0", max_tokens=20, prompt_len=5000)
+        await publish_work(nc, S.prefill_work_for("aff-1"), first)
+        await watcher.wait_finished(["a0"])
+        assert watcher.chunks["a0"][-1].engine_id == "aff-1"
+        # The next turn of the same trajectory, sent to the engine holding its prefix, computes only the new part.
+        second = msgspec.structs.replace(
+            request("a1", max_tokens=20, prompt_len=5300), traj_id="traj-a0", sim_cacheable_tokens=5020
+        )
+        await publish_work(nc, S.prefill_work_for("aff-1"), second)
+        await watcher.wait_finished(["a1"])
+        done = {p.request_id: p for p in watcher.of(PrefillDone)}
+        assert (done["a1"].cached_tokens, done["a1"].new_tokens) == (5020, 280)
+        assert watcher.chunks["a1"][-1].cached_tokens == 5020
+    finally:
+        for a in agents:
+            await a.stop()
+
+
+async def test_bad_request_fails_cleanly_and_the_engine_keeps_serving(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    errors: list[proto.ErrorReply] = []
+    await nc.subscribe(S.errors, cb=collect(errors, proto.ErrorReply))
+    agent = make_agent(nats_server.url, "bad-0", "mixed", max_model_len=4096)
+    await agent.start()
+    try:
+        await publish_work(nc, S.prefill_work_any, request("too-long", max_tokens=10, prompt_len=5000))
+        await nc.jetstream().publish(S.prefill_work_any, b"{not json")
+        await publish_work(nc, S.prefill_work_any, request("fine", max_tokens=10, prompt_len=100))
+        await watcher.wait_finished(["too-long", "fine"])
+        (final,) = watcher.chunks["too-long"]
+        assert final.finished and final.finish_reason == "error" and "max_model_len 4096" in final.error
+        watcher.assert_exact_stream("fine", 10)
+        await wait_until(lambda: len(watcher.of(RequestFailed)) == 1 and len(errors) >= 2)
+        assert watcher.of(RequestFailed)[0].request_id == "too-long"
+        assert {e.kind for e in errors} == {"invalid_request", "decode"}
+        # Terminated, not redelivered: the queue is empty.
+        await wait_until(lambda: agent.metrics.error_counts.get("invalid_request") == 1)
+        await wait_work_queue_empty(nc)
+    finally:
+        await agent.stop()
+
+
+async def test_handoff_whose_kv_is_gone_is_prefilled_again(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "pre-k", "prefill")
+    decode = make_agent(nats_server.url, "dec-k", "decode")
+    await prefill.start()
+    await decode.start()
+    try:
+        req = request("k0", max_tokens=50)
+        stale = DecodeHandoff(
+            request=req,
+            prefill_engine="pre-gone",
+            first_token_id=expected_ids("k0", 1)[0],
+            first_logprob=-0.5,
+            kv_transfer_params={"sim_engine": "pre-gone", "sim_expires_s": time.time() - 60},
+            kv_tokens=req.prompt_len,
+        )
+        await publish_work(nc, S.decode_work_any, stale)
+        await watcher.wait_finished(["k0"])
+        chunks = watcher.assert_exact_stream("k0", 50)
+        assert chunks[0].token_ids == expected_ids("k0", 1)  # the handed-off first token, streamed once
+        assert decode.runner.kv_lost == 1
+        assert [p.engine_id for p in watcher.of(PrefillDone)] == ["pre-k"]  # re-prefilled there
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_policy_version_is_picked_up_between_requests(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agent = make_agent(nats_server.url, "pol-0", "mixed")
+    await agent.start()
+    try:
+        await nc.publish(S.policy_version, proto.encode(PolicyVersionUpdate(version=7, ts_s=time.time())))
+        await nc.publish(S.policy_version, proto.encode(PolicyVersionUpdate(version=3, ts_s=time.time())))
+        await wait_until(lambda: agent.policy_version == 7)
+        await publish_work(nc, S.prefill_work_any, request("p0", max_tokens=10))
+        await watcher.wait_finished(["p0"])
+        assert watcher.chunks["p0"][-1].policy_version == 7
+        assert agent.stats_snapshot().policy_version == 7
+    finally:
+        await agent.stop()
+
+
+def collect(out: list, cls: type) -> Callable[[Any], Awaitable[None]]:
+    async def cb(msg: Any) -> None:
+        out.append(proto.decode_as(msg.data, cls, msg.subject))
+
+    return cb

@@ -1,0 +1,188 @@
+"""The simulated backend: its scheduler charges exactly the performance model, its tokens are a pure function of
+the request, and the async shell keeps streams consistent across prefill/decode and migration."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
+from services.engine_agent import perf_model as pm
+from services.engine_agent.backend import Backend, KvUnavailable
+from services.engine_agent.backends.sim_backend import SimBackend
+from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, output_end
+from services.engine_agent.backends.sim_tokens import SimTokens
+from services.engine_agent.model_profiles import load_profile
+
+P = load_profile("qwen3-235b")
+
+
+def req(rid: str, max_tokens: int = 20, prompt_len: int = 2_000, **fields: object) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        traj_id=f"t-{rid}",
+        turn=0,
+        prompt_token_ids=[],
+        prompt_len=prompt_len,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        reply_to="r",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def seq(rid: str, mode: str, context: int, end: int, traj: str = "", pos: int = 0) -> SimSeq:
+    return SimSeq(
+        request_id=rid,
+        traj_id=traj or f"t-{rid}",
+        mode=mode,  # type: ignore[arg-type]
+        context_tokens=context,
+        pos=pos,
+        end=end,
+        end_reason="length",
+        tokens=SimTokens(rid),
+        want_logprobs=True,
+    )
+
+
+def test_tokens_are_a_pure_function_of_request_and_position() -> None:
+    a, b = SimTokens("r-1"), SimTokens("r-1")
+    forward = [a.at(i) for i in range(600)]
+    backward = [b.at(i) for i in reversed(range(600))][::-1]
+    assert forward == backward
+    assert [t for t, _ in forward] != [SimTokens("r-2").at(i)[0] for i in range(600)]
+    assert all(lp < 0 for _, lp in forward)
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "sim_out", "prompt", "model_len", "expected"),
+    [
+        (100, 0, 1_000, 10_000, (100, "length")),
+        (100, 40, 1_000, 10_000, (40, "stop")),
+        (100, 400, 1_000, 10_000, (100, "length")),
+        (100, 0, 9_950, 10_000, (50, "length")),  # the model length caps it
+    ],
+)
+def test_output_end(max_tokens: int, sim_out: int, prompt: int, model_len: int, expected: tuple) -> None:
+    assert output_end(req("x", max_tokens, prompt, sim_output_tokens=sim_out), model_len) == expected
+
+
+def test_scheduler_charges_the_performance_model() -> None:
+    s = SimScheduler(P, "prefill", 131_072)
+    s.add_prefill(seq("a", "prefill", 3_000, 10))
+    step = s.plan(0.0)
+    assert step is not None and step.duration_s == pytest.approx(pm.prefill_time_s(P, 3_000, 0))
+    (touched,) = s.apply(step, 1.0)
+    assert touched.done and touched.first == SimTokens("a").at(0)
+    assert s.cache.cached_tokens("t-a") == 3_000
+    # Decode: two sequences whose KV arrived step together.
+    d = SimScheduler(P, "decode", 131_072)
+    for rid in ("b", "c"):
+        d.add_incoming(seq(rid, "decode", 1_001, 50, pos=1))
+        assert d.arrive(rid)
+    step = d.plan(0.0)
+    assert step is not None and step.duration_s == pytest.approx(pm.decode_step_time_s(P, 2, 2_002))
+    d.apply(step, 0.1)
+    step = d.plan(0.1)
+    assert step is not None and step.duration_s == pytest.approx(pm.decode_step_time_s(P, 2, 2_004))
+
+
+def test_mixed_steps_chunk_prefill_and_carry_the_decode_batch() -> None:
+    s = SimScheduler(P, "mixed", 131_072)
+    s.add_prefill(seq("long", "generate", 20_000, 5))
+    s.add_incoming(seq("dec", "decode", 4_001, 30, pos=1))
+    s.arrive("dec")
+    step = s.plan(0.0)
+    assert step is not None
+    assert [(q.request_id, n) for q, n in step.chunks] == [("long", P.mixed_chunk_tokens)]
+    expected = pm.mixed_step_time_s(P, P.mixed_chunk_tokens, 1, 4_001, prefill_cached_tokens=0)
+    assert step.duration_s == pytest.approx(expected)
+
+
+def test_prefix_hits_are_bounded_and_the_last_token_recomputed() -> None:
+    s = SimScheduler(P, "mixed", 131_072)
+    s.cache.insert("traj", 5_000, 0.0)
+    for rid, context, cacheable, hit in [
+        ("a", 5_300, 0, 5_000),
+        ("b", 5_300, 4_000, 4_000),
+        ("c", 3_000, 0, 2_999),
+    ]:
+        q = seq(rid, "generate", context, 5, traj="traj")
+        q.cacheable_tokens = cacheable
+        s.add_prefill(q)
+        s.plan(0.0)
+        assert (q.hit_tokens, q.to_compute) == (hit, context - hit)
+        s.remove(rid)
+    assert s.kv_reserved == 0
+
+
+async def test_prefill_decode_and_migration_continue_one_token_sequence() -> None:
+    b = SimBackend(P, "e0", speedup=200.0)
+    assert isinstance(b, Backend)
+    await b.start()
+    try:
+        whole = [t for c in [c async for c in b.generate(req("r", 40))] for t in c.token_ids]
+        assert whole == [SimTokens("r").at(i)[0] for i in range(40)]
+        res = await b.prefill(req("r", 40))
+        assert res.first_token_id == whole[0] and not res.finished and res.kv_transfer_params is not None
+        handoff = DecodeHandoff(
+            request=req("r", 40),
+            prefill_engine="e0",
+            first_token_id=res.first_token_id,
+            kv_transfer_params=res.kv_transfer_params,
+        )
+        rest = [t for c in [c async for c in b.decode(handoff)] for t in c.token_ids]
+        assert [res.first_token_id, *rest] == whole
+        resumed = msgspec.structs.replace(req("r", 40), resume_token_ids=whole[:15])
+        tail = [c async for c in b.generate(resumed)]
+        assert whole[:15] + [t for c in tail for t in c.token_ids] == whole
+        assert tail[0].prefill is not None and tail[-1].finished and tail[-1].finish_reason == "length"
+        assert b.stats().running == 0 and b.sched.kv_reserved == 0
+    finally:
+        await b.close()
+
+
+async def test_expired_kv_raises_before_any_token() -> None:
+    b = SimBackend(P, "e0", speedup=200.0)
+    await b.start()
+    try:
+        gone = DecodeHandoff(
+            request=req("g", 10),
+            prefill_engine="p",
+            first_token_id=1,
+            kv_transfer_params={"sim_expires_s": time.time() - 1},
+        )
+        with pytest.raises(KvUnavailable):
+            await anext(b.decode(gone))
+    finally:
+        await b.close()
+
+
+async def test_abort_ends_a_stream_and_frees_its_kv() -> None:
+    b = SimBackend(P, "e0", speedup=50.0)
+    await b.start()
+    try:
+        stream = b.generate(req("long", 5_000))
+        first = await anext(stream)
+        assert first.token_ids and not first.finished
+        await b.abort("long")
+        rest = [c async for c in stream]
+        assert rest == [] or not rest[-1].finished
+        assert b.sched.kv_reserved == 0 and b.stats().running == 0
+    finally:
+        await b.close()
+
+
+async def test_wall_time_is_the_modelled_time_over_the_speedup() -> None:
+    speedup = 100.0
+    b = SimBackend(P, "e0", speedup=speedup)
+    await b.start()
+    try:
+        t0 = time.monotonic()
+        await b.prefill(req("w", 10, prompt_len=60_000))
+        wall = time.monotonic() - t0
+        modelled = pm.prefill_time_s(P, 60_000, 0)
+        assert wall >= 0.9 * modelled / speedup
+    finally:
+        await b.close()

@@ -1,0 +1,168 @@
+"""The role-switch protocol against a real nats-server: epoch fencing over request/reply, and switches (and a
+graceful stop) with requests in flight that lose and duplicate nothing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import proto
+from proto import EngineStats, ErrorReply, RoleSwitchAck, RoleSwitchCommand, Subjects
+from tests.engine_agent_support import Watcher, make_agent, publish_work, request, wait_until
+
+S = Subjects()
+
+
+def command(engine_id: str, role: str, epoch: int, drain_timeout_s: float = 5.0) -> RoleSwitchCommand:
+    return RoleSwitchCommand(
+        engine_id=engine_id, role=role, epoch=epoch, issued_s=time.time(), drain_timeout_s=drain_timeout_s
+    )  # type: ignore[arg-type]
+
+
+async def send(nc: Any, engine_id: str, cmd: RoleSwitchCommand, timeout_s: float = 10.0) -> proto.Message:
+    reply = await nc.request(S.engine_command(engine_id), proto.encode(cmd), timeout=timeout_s)
+    return proto.decode(reply.data, reply.subject)
+
+
+async def test_epochs_fence_stale_and_duplicate_commands(nats_server, nc) -> None:
+    observed: list[RoleSwitchAck] = []
+
+    async def on_ack(msg: Any) -> None:
+        observed.append(proto.decode_as(msg.data, RoleSwitchAck))
+
+    await nc.subscribe(S.engine_ack("sw-0"), cb=on_ack)
+    agent = make_agent(nats_server.url, "sw-0", "mixed")
+    await agent.start()
+    try:
+        first = await send(nc, "sw-0", command("sw-0", "prefill", 5))
+        assert isinstance(first, RoleSwitchAck)
+        assert (first.ok, first.role, first.epoch) == (True, "prefill", 5)
+        assert first.switch_s >= 2.0 / 20  # the profile's reconfiguration cost at speedup 20
+        assert agent.role == "prefill"
+        again = await send(nc, "sw-0", command("sw-0", "decode", 5))  # duplicate epoch: same answer
+        assert again == first and agent.role == "prefill"
+        stale = await send(nc, "sw-0", command("sw-0", "decode", 4))
+        assert isinstance(stale, RoleSwitchAck)
+        assert not stale.ok and stale.error.startswith("stale_command") and stale.role == "prefill"
+        wrong = await send(nc, "sw-0", command("sw-9", "decode", 6))
+        assert isinstance(wrong, ErrorReply) and wrong.kind == "wrong_engine"
+        assert (
+            agent.role_state.newest_epoch == 5
+        )  # neither stale, duplicate nor misaddressed commands moved it
+        stats = agent.stats_snapshot()
+        assert (stats.role, stats.epoch, stats.switching) == ("prefill", 5, False)
+        assert stats.last_switch_s == first.switch_s
+        await wait_until(lambda: len(observed) >= 3)
+        assert observed[0] == first  # acks are also published for observers
+        back = await send(nc, "sw-0", command("sw-0", "mixed", 9))
+        assert isinstance(back, RoleSwitchAck) and back.ok and agent.role == "mixed"
+    finally:
+        await agent.stop()
+
+
+async def test_decode_to_prefill_migrates_long_decodes_without_loss_or_duplicates(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "sw-p", "prefill")
+    switcher = make_agent(nats_server.url, "sw-d", "decode")
+    await prefill.start()
+    await switcher.start()
+    later = make_agent(nats_server.url, "sw-d2", "decode")
+    try:
+        rids = [f"mig{i}" for i in range(4)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=1500))
+        await wait_until(lambda: all(watcher.tokens_streamed(r) >= 30 for r in rids))
+        await later.start()  # the decode engine that will take the migrated requests
+        ack = await send(nc, "sw-d", command("sw-d", "prefill", 1, drain_timeout_s=0.05))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (4, 0)
+        assert switcher.role == "prefill" and switcher.stats_snapshot().last_switch_s == ack.switch_s > 0
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 1500)  # gap-free, nothing lost or repeated
+            engines = [c.engine_id for c in chunks]
+            assert engines[0] == "sw-d" and engines[-1] == "sw-d2"
+            assert engines == sorted(engines, key=lambda e: e != "sw-d")  # one move, never back
+    finally:
+        for a in (prefill, switcher, later):
+            await a.stop()
+
+
+async def test_decodes_that_end_within_the_drain_timeout_finish_in_place(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "dr-p", "prefill")
+    switcher = make_agent(nats_server.url, "dr-d", "decode")
+    await prefill.start()
+    await switcher.start()
+    try:
+        rids = [f"dr{i}" for i in range(3)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=1000))
+        await wait_until(lambda: all(watcher.tokens_streamed(r) >= 10 for r in rids))
+        ack = await send(nc, "dr-d", command("dr-d", "prefill", 3, drain_timeout_s=30.0))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (0, 3)
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 1000)
+            assert {c.engine_id for c in chunks} == {"dr-d"}
+    finally:
+        await prefill.stop()
+        await switcher.stop()
+
+
+async def test_work_addressed_to_an_engine_leaving_prefill_moves_to_the_shared_queue(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    # One prompt at a time, so addressed work queues up behind it.
+    leaving = make_agent(nats_server.url, "fw-x", "prefill", prefill_budget_tokens=1)
+    decode = make_agent(nats_server.url, "fw-d", "decode")
+    await leaving.start()
+    await decode.start()
+    other = make_agent(nats_server.url, "fw-p", "prefill")
+    try:
+        rids = [f"fw{i}" for i in range(5)]
+        for rid in rids:
+            await publish_work(
+                nc, S.prefill_work_for("fw-x"), request(rid, max_tokens=20, prompt_len=100_000)
+            )
+        await wait_until(lambda: len(leaving.runner.jobs) == 1)
+        await other.start()
+        ack = await send(nc, "fw-x", command("fw-x", "decode", 2))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.drained_requests <= 1
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            watcher.assert_exact_stream(rid, 20)
+        assert {c.prefill_engine for r in rids for c in watcher.chunks[r] if c.finished} == {"fw-x", "fw-p"}
+    finally:
+        for a in (leaving, decode, other):
+            await a.stop()
+
+
+async def test_graceful_stop_hands_in_flight_decodes_to_another_engine(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    stats: list[EngineStats] = []
+
+    async def on_stats(msg: Any) -> None:
+        stats.append(proto.decode_as(msg.data, EngineStats))
+
+    await nc.subscribe(S.engine_stats("gs-0"), cb=on_stats)
+    first = make_agent(nats_server.url, "gs-0", "mixed")
+    second = make_agent(nats_server.url, "gs-1", "mixed")
+    await first.start()
+    await second.start()
+    try:
+        rids = [f"gs{i}" for i in range(3)]
+        for rid in rids:  # addressed to the first engine; the second takes them only once they are handed on
+            await publish_work(nc, S.prefill_work_for("gs-0"), request(rid, max_tokens=1200))
+        await wait_until(lambda: any(s.running == 3 for s in stats))
+        await first.stop()
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 1200)
+            assert chunks[0].engine_id == "gs-0" and chunks[-1].engine_id == "gs-1"
+    finally:
+        await second.stop()
