@@ -33,6 +33,7 @@ class SystemConfig:
     backend: str = "sim"
     model: str | None = None
     extra_engine_args: list[str] = field(default_factory=list)
+    engine_roles: list[str] = field(default_factory=list)  # start-up role per engine (default: mixed)
     extra_service_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: str | None = None
 
@@ -62,6 +63,8 @@ class System:
                 ]
                 if self.config.model:
                     args += ["--model", self.config.model]
+                if i < len(self.config.engine_roles):
+                    args += ["--role", self.config.engine_roles[i]]
                 self._spawn(f"engine-{i}", "engine_agent", args)
         return self
 

@@ -25,7 +25,7 @@ tokens = st.integers(min_value=0, max_value=200_000)
 positive_tokens = st.integers(min_value=1, max_value=200_000)
 batches = st.integers(min_value=1, max_value=1024)
 
-FAST = settings(max_examples=150, deadline=None)
+FAST = settings(max_examples=100, deadline=None)
 
 
 @FAST

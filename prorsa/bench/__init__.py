@@ -1,0 +1,1 @@
+"""Benchmarks: decision latency of the allocator, throughput of the tracker and forecaster, synthetic event streams."""

@@ -1,0 +1,478 @@
+"""One simulated engine: prefill, decode or mixed role, stepped in virtual time by the performance model.
+
+Roles:
+* `prefill`: each step takes queued requests FIFO up to `prefill_batch_tokens` of uncached tokens (a longer
+  prompt is chunked over steps), costs `prefill_overhead_s + Σ prefill_compute_s(chunk, cached before it)`, and
+  hands every finished prompt to the router, which finds a decode engine (KV transfer paid there).
+* `decode`: continuous batching. Batch composition changes only when a sequence finishes or a handed-off one is
+  admitted, so the engine *jumps*: it plans `m` steps up to the next finish, with step times from
+  `decode_step_time_s(batch, context)` (context grows by `batch` per step; the sum is taken as an arithmetic
+  series, exact while step time is affine in context). An admission mid-jump cuts the jump at the end of the step
+  in progress (`_interrupt`), as a real engine admits between steps.
+* `mixed` (colocation): chunked prefill interleaved with its own decodes. While prompts wait, every step is one
+  `mixed_step_time_s` step carrying up to `mixed_chunk_tokens` per request (and per DP rank) of prefill plus the
+  whole decode batch; with no prefill it jumps like a decode engine.
+
+KV: a running request reserves context + output tokens on admission (no preemption). Where prefixes live: a
+prefill engine caches the prompt it computed; a mixed engine caches prompt + output once the turn is decoded; a
+decode engine's KV is never sent back. So a trajectory's next turn on the prefill engine that served its last
+turn recomputes the last output plus the new tokens, on its mixed engine only the new tokens.
+
+Switching (`request_switch`): the engine leaves the router's pools (queued, unstarted prompts are re-routed),
+finishes prefills in progress, keeps decodes expected to finish within `drain_bound_s` and migrates the others
+(re-queued for prefill elsewhere with their context recomputed); handoffs that arrive while draining are forwarded
+to another decode engine. Drained, it reconfigures for `role_switch_s`, clears its prefix cache and rejoins.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from prorsa.sim import events as ev
+from prorsa.sim.state import Request
+from services.engine_agent import perf_model as pm
+from services.engine_agent.perf_model import ModelProfile
+from services.engine_agent.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from prorsa.sim.core import Simulation
+
+ACTIVE, DRAINING, RECONFIG = 0, 1, 2
+IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3
+
+
+class SimEngine:
+    """State and stepping of one engine. All methods take the current virtual time `now`."""
+
+    def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
+        self.engine_id = engine_id
+        self.p = profile
+        self.role = role
+        self.sim = sim
+        self.metrics = sim.metrics
+        self._push = sim.queue.push
+        self.state = ACTIVE
+        self.target_role = ""
+        self.cache = PrefixCache(profile.kv_capacity_tokens)
+        # Prefill side: queued (not started) and started-but-unfinished (chunked) prompts.
+        self.queue: deque[Request] = deque()
+        self.queued_tokens = 0  # Σ est_tokens of `queue`
+        self.active: list[Request] = []
+        # Decode side: batch, finish heap (target_step, rid), step counter and context bookkeeping.
+        self.seqs: dict[int, Request] = {}
+        self._finish_heap: list[tuple[int, int]] = []
+        self.steps_done = 0
+        self._ctx_base = 0  # Σ (context - start_step): total context = _ctx_base + batch × steps_done
+        self._target_sum = 0  # Σ target_step: tokens left = _target_sum - batch × steps_done
+        self.kv_reserved = 0
+        self.arrivals: list[
+            Request
+        ] = []  # handed-off requests whose KV has arrived, admitted at the next step
+        self.incoming = 0  # handoffs pulled, KV in transfer
+        # The activity in progress.
+        self.activity = IDLE
+        self._token = 0
+        self._t_start = 0.0
+        self._jump_steps = 0
+        self._jump_a = 0.0  # first step time of the jump
+        self._jump_b = 0.0  # step time increase per step
+        self._chunks: list[tuple[Request, int]] = []
+        self._drop_pending = False  # an aborted trajectory's sequence is in the batch
+        # Work done, cumulative (the policy view turns them into per-interval rates).
+        self.prefill_tokens_done = 0
+        self.decode_tokens_done = 0
+
+    # -- what the router and the views read ---------------------------------------------------------------------
+
+    @property
+    def accepts_prefill(self) -> bool:
+        return self.state == ACTIVE and self.role != "decode"
+
+    def prefill_load_s(self) -> float:
+        """Estimated seconds of prefill work ahead of a new prompt (+ a batch-fullness term for mixed)."""
+        pending = self.queued_tokens + sum(r.to_compute_tokens - r.computed_tokens for r in self.active)
+        load = pending / self.p.prefill_tokens_per_s
+        if self.role == "mixed":
+            load += len(self.seqs) / self.p.max_batch
+        return load
+
+    def decode_load(self) -> int:
+        return len(self.seqs) + len(self.arrivals) + self.incoming + len(self.active)
+
+    def has_decode_room(self, kv_tokens: int) -> bool:
+        held = self.decode_load()
+        if held == 0:
+            return (
+                True  # an empty engine always admits (a request larger than the KV cache must run somewhere)
+            )
+        return held < self.p.max_batch and self.kv_reserved + kv_tokens <= self.p.kv_capacity_tokens
+
+    def tokens_in_flight(self) -> int:
+        decode_left = self._target_sum - len(self.seqs) * self.steps_done
+        prefill_left = self.queued_tokens + sum(r.to_compute_tokens - r.computed_tokens for r in self.active)
+        return decode_left + prefill_left
+
+    # -- work in ------------------------------------------------------------------------------------------------
+
+    def enqueue_prefill(self, req: Request, now: float) -> None:
+        """Queue a prompt here (the router chose this engine)."""
+        t = req.traj
+        hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
+        req.est_tokens = req.context_tokens - hit
+        self.queue.append(req)
+        self.queued_tokens += req.est_tokens
+        self._poke(now)
+
+    def accept_handoff(self, req: Request, now: float) -> None:
+        """Pull a prefilled request: reserve its KV and start the transfer."""
+        req.engine = self
+        req.kv_tokens = req.context_tokens + req.output_tokens
+        self._reserve(req.kv_tokens)
+        self.incoming += 1
+        self.metrics.handoffs += 1
+        self._push(now + pm.kv_transfer_time_s(self.p, req.context_tokens), ev.HANDOFF_ARRIVE, self, req)
+
+    def on_handoff_arrive(self, req: Request, now: float) -> None:
+        self.incoming -= 1
+        if req.cancelled or self.state != ACTIVE:
+            self._reserve(-req.kv_tokens)
+            req.engine = None
+            if not req.cancelled:  # draining: forward the KV to another decode engine
+                self.sim.router.handoff(req, now)
+            self._poke(now)
+            return
+        self.arrivals.append(req)
+        self._poke(now)
+
+    def _poke(self, now: float) -> None:
+        """Something arrived: start now if idle, or end a decode jump at the next step boundary."""
+        if self.state == RECONFIG:
+            return
+        if self.activity == IDLE:
+            self._boundary(now)
+        elif self.activity == JUMP:
+            self._interrupt(now)
+
+    # -- the step loop --------------------------------------------------------------------------------------------
+
+    def on_wake(self, token: int, now: float) -> None:
+        if token != self._token:
+            return  # superseded by a replan
+        self._complete(now)
+        self._boundary(now)
+
+    def _complete(self, now: float) -> None:
+        """Apply the effects of the activity that ends at `now`."""
+        kind, t0 = self.activity, self._t_start
+        self.activity = IDLE
+        self.metrics.on_busy(self.role, t0, now)
+        if kind == JUMP:
+            self._apply_decode_steps(self._jump_steps, t0, now)
+        elif kind == MIXED_STEP:
+            if self.seqs:
+                self._apply_decode_steps(1, t0, now)
+            self._apply_chunks(t0, now)
+        elif kind == PREFILL_STEP:
+            self._apply_chunks(t0, now)
+
+    def _boundary(self, now: float) -> None:
+        """Between steps: admit arrivals, handle draining, pull work, plan the next activity."""
+        if self._drop_pending:
+            self._drop_pending = False
+            self.drop_cancelled()
+        for req in self.arrivals:
+            if req.cancelled:
+                self._reserve(-req.kv_tokens)
+                req.engine = None
+            else:
+                self._join_batch(req, now)
+        self.arrivals.clear()
+        if self.state == DRAINING:
+            self._migrate_long_decodes(now)
+        elif self.role == "decode" or (self.role == "mixed" and self.sim.router.mixed_takes_handoffs):
+            self.sim.router.pull_handoffs(self, now)
+        self._plan(now)
+        if self.state == DRAINING and self.activity == IDLE and self._drained():
+            self._start_reconfig(now)
+
+    def _plan(self, now: float) -> None:
+        if self.role == "prefill":
+            self._chunks = self._take_chunks(self.p.prefill_batch_tokens, self.p.prefill_batch_tokens, now)
+            if self._chunks:
+                dur = self.p.prefill_overhead_s + sum(
+                    pm.prefill_compute_s(self.p, n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks
+                )
+                self._schedule(PREFILL_STEP, now, dur)
+            return
+        if self.role == "mixed":
+            per_request = self.p.mixed_chunk_tokens
+            self._chunks = self._take_chunks(per_request * self.p.dp_ranks, per_request, now)
+            if self._chunks:
+                self._schedule(MIXED_STEP, now, self._mixed_step_s())
+                return
+        if self.seqs:
+            self._plan_jump(now)
+
+    def _schedule(self, kind: int, now: float, duration_s: float) -> None:
+        self.activity = kind
+        self._t_start = now
+        self._token += 1
+        self._push(now + duration_s, ev.ENGINE_WAKE, self, self._token)
+
+    # -- prefill ----------------------------------------------------------------------------------------------------
+
+    def _take_chunks(self, budget: int, per_request: int, now: float) -> list[tuple[Request, int]]:
+        """Chunks for the next step: started prompts first, then new ones from the queue (not while draining)."""
+        chunks: list[tuple[Request, int]] = []
+        for req in self.active:
+            if budget <= 0:
+                return chunks
+            n = min(req.to_compute_tokens - req.computed_tokens, per_request, budget)
+            chunks.append((req, n))
+            budget -= n
+        while budget > 0 and self.queue and self.state == ACTIVE:
+            req = self.queue[0]
+            if req.cancelled:
+                self.queue.popleft()
+                self.queued_tokens -= req.est_tokens
+                continue
+            if self.role == "mixed" and not self._mixed_room(req):
+                break  # FCFS: wait for KV or a batch slot
+            self.queue.popleft()
+            self.queued_tokens -= req.est_tokens
+            self._start_prefill(req, now)
+            n = min(req.to_compute_tokens, per_request, budget)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _mixed_room(self, req: Request) -> bool:
+        return self.has_decode_room(req.context_tokens + req.output_tokens)
+
+    def _start_prefill(self, req: Request, now: float) -> None:
+        t = req.traj
+        hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
+        hit = min(hit, req.context_tokens - 1)  # the last prompt token is always recomputed (vLLM does)
+        req.hit_tokens = max(hit, 0)
+        req.to_compute_tokens = req.context_tokens - req.hit_tokens
+        req.computed_tokens = 0
+        self.active.append(req)
+        if self.role == "mixed":
+            req.engine = self
+            req.kv_tokens = req.context_tokens + req.output_tokens
+            self._reserve(req.kv_tokens)
+        self.metrics.on_prefill_started(req.context_tokens, req.hit_tokens, req.migrated)
+
+    def _mixed_step_s(self) -> float:
+        total = sum(n for _, n in self._chunks)
+        biggest_req, biggest = max(self._chunks, key=lambda c: c[1])
+        ranks = self.p.dp_ranks
+        largest = biggest if len(self._chunks) <= ranks else max(biggest, -(-total // ranks))
+        if ranks == 1:  # one chunk set on one rank: attention at the token-weighted mean context
+            cached = sum((r.hit_tokens + r.computed_tokens) * n for r, n in self._chunks) // total
+        else:
+            cached = biggest_req.hit_tokens + biggest_req.computed_tokens
+        batch = len(self.seqs)
+        return pm.mixed_step_time_s(
+            self.p,
+            total,
+            batch,
+            self._ctx_base + batch * self.steps_done,
+            prefill_cached_tokens=cached,
+            largest_rank_prefill_tokens=largest,
+        )
+
+    def _apply_chunks(self, t0: float, now: float) -> None:
+        computed = recomputed = wasted = 0
+        for req, n in self._chunks:
+            req.computed_tokens += n
+            if req.cancelled:
+                wasted += n
+                self.active.remove(req)
+                if req.engine is self:
+                    self._reserve(-req.kv_tokens)
+                    req.engine = None
+                continue
+            if req.migrated:
+                recomputed += n
+            else:
+                computed += n
+            if req.computed_tokens >= req.to_compute_tokens:
+                self.active.remove(req)
+                self._prefill_finished(req, now)
+        self._chunks = []
+        self.prefill_tokens_done += computed + recomputed + wasted
+        self.metrics.on_prefill_step(t0, now, computed, recomputed, wasted)
+
+    def _prefill_finished(self, req: Request, now: float) -> None:
+        t = req.traj
+        self.cache.insert(t.key, req.context_tokens, now, t.group_key, t.group_tokens)
+        t.last_engine = self
+        self.sim.on_prefill_done(req, self, now)
+        if self.role == "prefill":
+            self.sim.router.handoff(req, now)
+        elif self.state == DRAINING and self.sim.router.has_decode_engines():
+            self._reserve(-req.kv_tokens)  # leaving: send the KV to a decode engine instead
+            req.engine = None
+            self.sim.router.handoff(req, now)
+        else:
+            self._join_batch(req, now)
+
+    # -- decode -----------------------------------------------------------------------------------------------------
+
+    def _join_batch(self, req: Request, now: float) -> None:
+        req.start_step = self.steps_done
+        req.target_step = self.steps_done + req.output_tokens
+        self.seqs[req.rid] = req
+        heapq.heappush(self._finish_heap, (req.target_step, req.rid))
+        self._ctx_base += req.context_tokens - req.start_step
+        self._target_sum += req.target_step
+        self.sim.on_decode_started(req, self, now)
+
+    def _leave_batch(self, req: Request) -> None:
+        del self.seqs[req.rid]
+        self._ctx_base -= req.context_tokens - req.start_step
+        self._target_sum -= req.target_step
+        self._reserve(-req.kv_tokens)
+        req.engine = None
+
+    def _plan_jump(self, now: float) -> None:
+        heap = self._finish_heap
+        while heap[0][1] not in self.seqs or self.seqs[heap[0][1]].target_step != heap[0][0]:
+            heapq.heappop(heap)  # stale entry of a migrated or cancelled sequence
+        m = heap[0][0] - self.steps_done
+        batch = len(self.seqs)
+        ctx0 = self._ctx_base + batch * self.steps_done
+        a = pm.decode_step_time_s(self.p, batch, ctx0)
+        b = (pm.decode_step_time_s(self.p, batch, ctx0 + (m - 1) * batch) - a) / (m - 1) if m > 1 else 0.0
+        self._jump_steps, self._jump_a, self._jump_b = m, a, b
+        self._schedule(JUMP, now, m * a + b * m * (m - 1) / 2)
+
+    def _jump_elapsed_s(self, k: int) -> float:
+        return k * self._jump_a + self._jump_b * k * (k - 1) / 2
+
+    def _interrupt(self, now: float) -> None:
+        """End the current jump at the first step boundary at or after `now`."""
+        dt = now - self._t_start
+        a, b = self._jump_a, self._jump_b
+        if b > 0:
+            k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * dt)) / b)
+        else:
+            k = int(dt / a) if a > 0 else self._jump_steps
+        k = max(0, k - 1)
+        while k < self._jump_steps and self._jump_elapsed_s(k) < dt:
+            k += 1  # first boundary at or after now
+        if k >= self._jump_steps:
+            return  # the planned wake-up is that boundary
+        self._jump_steps = k
+        self._token += 1
+        end = self._t_start + self._jump_elapsed_s(k)
+        if k == 0 or end <= now:
+            self._complete(now)
+            self._boundary(now)
+            return
+        self._push(end, ev.ENGINE_WAKE, self, self._token)
+
+    def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
+        if m <= 0:
+            return
+        batch = len(self.seqs)
+        self.steps_done += m
+        self.decode_tokens_done += batch * m
+        self.metrics.on_decoded(t0, now, batch * m)
+        if self.sim.observer is not None:
+            self.sim.emit_decode_progress(self, now)
+        heap = self._finish_heap
+        while heap and heap[0][0] <= self.steps_done:
+            target, rid = heapq.heappop(heap)
+            req = self.seqs.get(rid)
+            if req is None or req.target_step != target:
+                continue
+            self._leave_batch(req)
+            if self.role == "mixed" and not req.cancelled:
+                t = req.traj
+                self.cache.insert(
+                    t.key, req.context_tokens + req.output_tokens, now, t.group_key, t.group_tokens
+                )
+            self.sim.on_decode_finished(req, self, now)
+
+    def decoded_so_far(self, req: Request) -> int:
+        return self.steps_done - req.start_step
+
+    def cancel(self, now: float) -> None:
+        """A request held here was cancelled (trajectory aborted): drop it at the next step boundary."""
+        self._drop_pending = True
+        self._poke(now)
+
+    def drop_cancelled(self) -> None:
+        """Remove decodes of aborted trajectories from the batch."""
+        for req in [r for r in self.seqs.values() if r.cancelled]:
+            self.metrics.wasted_decoded_tokens += self.decoded_so_far(req)
+            self._leave_batch(req)
+
+    # -- switching --------------------------------------------------------------------------------------------------
+
+    def request_switch(self, role: str, now: float) -> None:
+        """Start moving to `role` (see the module docstring for the draining rules)."""
+        if self.state == RECONFIG:
+            self.target_role = role
+            return
+        if role == self.role:
+            if self.state == DRAINING:  # switch cancelled before it happened
+                self.state, self.target_role = ACTIVE, ""
+                self.sim.router.engine_available(self, now)
+                self._poke(now)
+            return
+        first = self.state == ACTIVE
+        self.state, self.target_role = DRAINING, role
+        if first:
+            self.sim.router.engine_leaving(self, now)
+            requeue = list(self.queue)
+            self.queue.clear()
+            self.queued_tokens = 0
+            for req in requeue:
+                if not req.cancelled:
+                    self.sim.router.route_prefill(req, now)
+        self._poke(now)
+
+    def _migrate_long_decodes(self, now: float) -> None:
+        if not self.seqs:
+            return
+        batch = len(self.seqs)
+        step_s = pm.decode_step_time_s(self.p, batch, self._ctx_base + batch * self.steps_done)
+        bound = self.sim.config.drain_bound_s
+        for req in [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]:
+            decoded = self.decoded_so_far(req)
+            self._leave_batch(req)
+            self.sim.migrate(req, self, decoded, now)
+
+    def _drained(self) -> bool:
+        return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
+
+    def _start_reconfig(self, now: float) -> None:
+        self.state = RECONFIG
+        self.metrics.role_change(now, self.role, "switching")
+        self._token += 1
+        self._push(now + pm.role_switch_time_s(self.p), ev.RECONFIG_DONE, self, self._token)
+
+    def on_reconfig_done(self, token: int, now: float) -> None:
+        if token != self._token:
+            return
+        self.metrics.role_change(now, "switching", self.target_role)
+        self.metrics.role_switches += 1
+        self.role, self.target_role, self.state = self.target_role, "", ACTIVE
+        self.cache.clear()
+        self.cache.resize(self.p.kv_capacity_tokens)
+        self.sim.router.engine_available(self, now)
+        self._poke(now)
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+
+    def _reserve(self, tokens: int) -> None:
+        """Change reserved KV; a mixed engine's prefix cache lives in what running work leaves free."""
+        self.kv_reserved += tokens
+        if self.role == "mixed":
+            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))

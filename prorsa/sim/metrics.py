@@ -1,0 +1,183 @@
+"""Streaming metrics of a simulation: token counters, completion-time quantiles, utilisation, 10 s windows.
+
+Bounded memory: completion times go to a log-bucketed histogram (1 % relative resolution), time series to fixed
+windows (one float per window and series), never per-event lists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ROLE_NAMES = ("prefill", "decode", "mixed")
+SWITCHING = "switching"
+
+
+class LogHistogram:
+    """Counts positive values in buckets of ~1 % relative width; exact count, sum, min and max."""
+
+    __slots__ = ("_buckets", "count", "total", "min", "max")
+    _LOG_BASE = math.log(1.01)
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, int] = {}
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.min = min(self.min, value)
+        self.max = max(self.max, value)
+        key = math.floor(math.log(value) / self._LOG_BASE) if value > 0 else -(10**9)
+        self._buckets[key] = self._buckets.get(key, 0) + 1
+
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """Value at quantile q in [0, 1] (bucket midpoint, clamped to the observed min/max); 0 when empty."""
+        if not self.count:
+            return 0.0
+        rank = q * (self.count - 1)
+        seen = 0
+        for key in sorted(self._buckets):
+            seen += self._buckets[key]
+            if seen > rank:
+                mid = 0.0 if key == -(10**9) else math.exp((key + 0.5) * self._LOG_BASE)
+                return min(max(mid, self.min), self.max)
+        return self.max
+
+
+@dataclass
+class Windows:
+    """Per-window sums of several series; window i covers [i·window_s, (i+1)·window_s)."""
+
+    window_s: float
+    series: dict[str, list[float]] = field(default_factory=dict)
+
+    def _row(self, name: str, index: int) -> list[float]:
+        row = self.series.setdefault(name, [])
+        if len(row) <= index:
+            row.extend([0.0] * (index + 1 - len(row)))
+        return row
+
+    def add_at(self, name: str, t: float, amount: float) -> None:
+        index = int(t / self.window_s)
+        self._row(name, index)[index] += amount
+
+    def add_span(self, name: str, t0: float, t1: float, amount: float) -> None:
+        """Spread `amount` uniformly over [t0, t1] across the windows it overlaps."""
+        if t1 <= t0:
+            self.add_at(name, t0, amount)
+            return
+        w = self.window_s
+        first, last = int(t0 / w), int(t1 / w)
+        if first == last:
+            self._row(name, first)[first] += amount
+            return
+        row = self._row(name, last)
+        rate = amount / (t1 - t0)
+        for i in range(first, last + 1):
+            lo, hi = max(t0, i * w), min(t1, (i + 1) * w)
+            if hi > lo:
+                row[i] += rate * (hi - lo)
+
+    def length(self) -> int:
+        return max((len(r) for r in self.series.values()), default=0)
+
+    def get(self, name: str, n: int) -> list[float]:
+        row = self.series.get(name, [])
+        return row[:n] + [0.0] * max(0, n - len(row))
+
+
+class Metrics:
+    """All counters of one run. Engines and the driver call the `on_*` methods with virtual times."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.windows = Windows(window_s)
+        self.completion = LogHistogram()
+        # Token accounting (conservation: computed + hits == prompt tokens of finished prefills).
+        self.prompt_tokens = 0  # whole prompts of first-time prefills (not migrations)
+        self.prefill_computed_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.migration_recompute_tokens = 0  # re-prefill of migrated decodes (computed)
+        self.migration_hit_tokens = 0
+        self.wasted_prefill_tokens = 0  # computed for requests of aborted trajectories
+        self.decoded_tokens = 0
+        self.wasted_decoded_tokens = 0  # decoded by attempts later aborted
+        self.new_prompt_tokens = 0  # the workload's new tokens of submitted turns (prefill demand)
+        # Counts.
+        self.turns_submitted = 0
+        self.turns_finished = 0
+        self.finished_output_tokens = 0  # output tokens of finished turns
+        self.prefill_starts = 0  # first-time prefills started (not migrations)
+        self.trajectories_started = 0
+        self.trajectories_completed = 0
+        self.trajectories_aborted = 0
+        self.migrations = 0
+        self.role_switches = 0
+        self.handoffs = 0
+        # Engine time per role: in role (serving or draining) and busy.
+        self.engine_s: dict[str, float] = dict.fromkeys((*ROLE_NAMES, SWITCHING), 0.0)
+        self.busy_s: dict[str, float] = dict.fromkeys(ROLE_NAMES, 0.0)
+        self._role_count: dict[str, int] = dict.fromkeys((*ROLE_NAMES, SWITCHING), 0)
+        self._role_since = 0.0
+
+    # -- engine roles -----------------------------------------------------------------------------------------
+
+    def role_change(self, now: float, old: str | None, new: str | None) -> None:
+        """An engine moved from `old` to `new` (role name, "switching", or None when it appears/disappears)."""
+        self._flush_roles(now)
+        if old is not None:
+            self._role_count[old] -= 1
+        if new is not None:
+            self._role_count[new] += 1
+
+    def _flush_roles(self, now: float) -> None:
+        t0 = self._role_since
+        if now > t0:
+            for role, n in self._role_count.items():
+                if n:
+                    self.engine_s[role] += n * (now - t0)
+                    self.windows.add_span(f"engine_s_{role}", t0, now, n * (now - t0))
+        self._role_since = now
+
+    def on_busy(self, role: str, t0: float, t1: float) -> None:
+        self.busy_s[role] += t1 - t0
+
+    # -- tokens ------------------------------------------------------------------------------------------------
+
+    def on_turn_submitted(self, now: float, new_tokens: int) -> None:
+        self.turns_submitted += 1
+        self.new_prompt_tokens += new_tokens
+        self.windows.add_at("prefill_demand", now, new_tokens)
+
+    def on_prefill_started(self, context_tokens: int, hit_tokens: int, migrated: bool) -> None:
+        if migrated:
+            self.migration_hit_tokens += hit_tokens
+        else:
+            self.prefill_starts += 1
+            self.prompt_tokens += context_tokens
+            self.prefix_hit_tokens += hit_tokens
+
+    def on_prefill_step(self, t0: float, t1: float, computed: int, recomputed: int, wasted: int) -> None:
+        """A prefill (or mixed) step computed prompt tokens: first-time, migration re-prefill, and of aborts."""
+        self.prefill_computed_tokens += computed
+        self.migration_recompute_tokens += recomputed
+        self.wasted_prefill_tokens += wasted
+        self.windows.add_span("prefill_computed", t0, t1, computed + recomputed + wasted)
+
+    def on_decoded(self, t0: float, t1: float, tokens: int) -> None:
+        self.decoded_tokens += tokens
+        self.windows.add_span("decode_tokens", t0, t1, tokens)
+
+    def finish(self, now: float) -> None:
+        """Close the role accounting at the end of the run."""
+        self._flush_roles(now)
+
+    def utilisation(self) -> dict[str, float | None]:
+        """Busy fraction of engine time per role (None for a role no engine held)."""
+        return {r: (self.busy_s[r] / self.engine_s[r] if self.engine_s[r] > 0 else None) for r in ROLE_NAMES}

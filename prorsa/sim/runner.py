@@ -1,0 +1,178 @@
+"""Public entry point of the simulator: `run_simulation(SimConfig) -> SimResult`."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prorsa.sim.core import Simulation
+from prorsa.sim.driver import MODES, StepSource
+from prorsa.sim.events import SimObserver
+from prorsa.sim.metrics import ROLE_NAMES
+from services.allocator.policy import make_policy
+from services.engine_agent import perf_model as pm
+from services.engine_agent.model_profiles import load_profile
+
+
+@dataclass
+class SimConfig:
+    """Everything one simulation run depends on (with the seed, a run is a pure function of it)."""
+
+    workload: str | StepSource = (
+        "profile:coding"  # a workload spec string, or an object with .name and .step(i)
+    )
+    profile: str = "qwen3-235b"  # built-in model profile name or a profile JSON path
+    engines: int = 8
+    mode: str = "sync"  # "sync" | "async"
+    staleness: int = 1  # async: abort trajectories started more than this many versions ago
+    training_s: float = 60.0  # trainer time per batch (s)
+    policy: str = "colocated"  # allocator policy spec (services.allocator.policy.make_policy)
+    seed: int = 0
+    steps: int | None = None  # batches to train; None with no duration → 1
+    duration_s: float | None = None  # cap on virtual time
+    batch_size: int = 64  # trajectories per step (spec-string workloads)
+    group_size: int = 1  # trajectories per GRPO group (spec-string workloads)
+    window_s: float = 10.0  # width of the time-series windows
+    drain_bound_s: float = (
+        5.0  # a switching engine keeps decodes expected to finish within this, migrates others
+    )
+    affinity_overload_s: float = (
+        2.0  # queued prefill seconds above which a trajectory leaves its affine engine
+    )
+    observer: SimObserver | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.staleness < 0 or self.training_s < 0 or self.window_s <= 0:
+            raise ValueError("staleness and training_s must be >= 0, window_s > 0")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.steps is None and self.duration_s is None:
+            self.steps = 1
+
+    def echo(self) -> dict[str, Any]:
+        """The configuration as JSON-ready values (the workload by name when it is an object)."""
+        workload = (
+            self.workload if isinstance(self.workload, str) else getattr(self.workload, "name", "custom")
+        )
+        return {
+            "workload": workload,
+            "profile": self.profile,
+            "engines": self.engines,
+            "mode": self.mode,
+            "staleness": self.staleness,
+            "training_s": self.training_s,
+            "policy": self.policy,
+            "seed": self.seed,
+            "steps": self.steps,
+            "duration_s": self.duration_s,
+            "batch_size": self.batch_size,
+            "group_size": self.group_size,
+            "window_s": self.window_s,
+            "drain_bound_s": self.drain_bound_s,
+            "affinity_overload_s": self.affinity_overload_s,
+        }
+
+
+@dataclass
+class SimResult:
+    """The outcome of one run: headline figures, token accounting and windowed series (see `to_json`)."""
+
+    config: SimConfig
+    sim: Simulation = field(repr=False)
+    end_s: float
+    wall_s: float  # wall-clock seconds of the event loop (not in to_json: the JSON is deterministic)
+
+    def windows(self) -> dict[str, Any]:
+        m, p = self.sim.metrics, self.sim.profile
+        w = m.windows.window_s
+        n = max(1, math.ceil(self.end_s / w))
+        # Seconds each window covers (the last one may be cut short by the end of the run).
+        span = [max(min(w, self.end_s - i * w), 1e-9) for i in range(n)]
+
+        def rate(name: str) -> list[float]:
+            return [x / s for x, s in zip(m.windows.get(name, n), span, strict=True)]
+
+        demand = rate("prefill_demand")
+        decode = rate("decode_tokens")
+        engines = {r: rate(f"engine_s_{r}") for r in (*ROLE_NAMES, "switching")}
+        decode_rate = pm.decode_tokens_per_s_nominal(p)
+        return {
+            "window_s": w,
+            "t_s": [i * w for i in range(n)],
+            "prefill_demand_tokens_per_s": demand,  # new prompt tokens of turns submitted in the window
+            "prefill_computed_tokens_per_s": rate("prefill_computed"),
+            "decode_tokens_per_s": decode,  # output tokens generated in the window
+            "prefill_decode_ratio": [(d / o if o > 0 else None) for d, o in zip(demand, decode, strict=True)],
+            "engines": engines,  # time-averaged engine count per role
+            "capacity_prefill_tokens_per_s": [x * p.prefill_tokens_per_s for x in engines["prefill"]],
+            "capacity_decode_tokens_per_s": [x * decode_rate for x in engines["decode"]],
+            "capacity_mixed_prefill_tokens_per_s": [x * p.prefill_tokens_per_s for x in engines["mixed"]],
+            "capacity_mixed_decode_tokens_per_s": [x * decode_rate for x in engines["mixed"]],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        m, d = self.sim.metrics, self.sim.driver
+        rollout_s = self.end_s
+        return {
+            "avg_trajectory_s": m.completion.mean(),
+            "p50_trajectory_s": m.completion.quantile(0.5),
+            "p99_trajectory_s": m.completion.quantile(0.99),
+            "max_trajectory_s": m.completion.max if m.completion.count else 0.0,
+            "rollout_s": rollout_s,
+            "tokens_per_s": m.decoded_tokens / rollout_s if rollout_s > 0 else 0.0,
+            "utilisation": m.utilisation(),
+            "role_switches": m.role_switches,
+            "prefix_cache_hit_rate": m.prefix_hit_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
+            "trajectories_completed": m.trajectories_completed,
+            "trajectories_expected": d.expected,
+            "trajectories_aborted": m.trajectories_aborted,
+            "steps_trained": d.trained,
+            "tokens": {
+                "prompt": m.prompt_tokens,
+                "prefill_computed": m.prefill_computed_tokens,
+                "prefix_hit": m.prefix_hit_tokens,
+                "migration_recompute": m.migration_recompute_tokens,
+                "migration_hit": m.migration_hit_tokens,
+                "wasted_prefill": m.wasted_prefill_tokens,
+                "decoded": m.decoded_tokens,
+                "wasted_decoded": m.wasted_decoded_tokens,
+                "new_prompt_submitted": m.new_prompt_tokens,
+            },
+            "migrations": m.migrations,
+            "handoffs": m.handoffs,
+            "plans_applied": self.sim.plans_applied,
+            "affinity": {"hits": self.sim.router.affinity_hits, "misses": self.sim.router.affinity_misses},
+            "windows": self.windows(),
+            "config": self.config.echo(),
+            "workload": getattr(self.sim.driver.workload, "name", "custom"),
+            "profile": self.sim.profile.name,
+        }
+
+
+def _load_workload(config: SimConfig) -> StepSource:
+    if not isinstance(config.workload, str):
+        return config.workload
+    from prorsa.workload.spec import load_workload  # imported late: trace loading is heavy
+
+    return load_workload(
+        config.workload, batch_size=config.batch_size, group_size=config.group_size, seed=config.seed
+    )
+
+
+def run_simulation(config: SimConfig) -> SimResult:
+    """Run one simulation. Raises ValueError (or WorkloadError / PolicyError) on a bad configuration."""
+    profile = load_profile(config.profile)
+    policy = make_policy(config.policy, config.engines, profile=profile)
+    workload = _load_workload(config)
+    sim = Simulation(config, workload, profile, policy, observer=config.observer)
+    t0 = time.perf_counter()
+    end = sim.run()
+    return SimResult(config=config, sim=sim, end_s=end, wall_s=time.perf_counter() - t0)

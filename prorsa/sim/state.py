@@ -1,0 +1,69 @@
+"""Live state of the simulation: trajectories being rolled out and the requests (turns) they have in flight.
+
+Only live objects are kept: a trajectory is dropped once finished (its completion time goes to the metrics'
+streaming aggregates), so memory grows with concurrency, not with history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prorsa.workload.types import TrajectorySpec
+
+if TYPE_CHECKING:
+    from prorsa.sim.engine import SimEngine
+
+
+@dataclass(slots=True, eq=False)
+class Traj:
+    """One attempt at rolling out a trajectory spec (an aborted trajectory restarts as a new attempt)."""
+
+    spec: TrajectorySpec
+    step: int  # RL step it belongs to
+    attempt: int  # 0, then 1, 2, ... after aborts
+    version: int  # policy version it was started under
+    key: str  # prefix-cache key: unique per step and attempt
+    group_key: str  # prefix-cache key of its GRPO group's shared first prompt ("" if none)
+    turn: int = 0  # index of the turn in flight or next to submit
+    context_tokens: int = 0  # prompt length of turn `turn` (whole history)
+    start_s: float = -1.0  # submission time of turn 0 (-1: not started)
+    decoded_tokens: int = 0  # tokens of finished turns + partials of migrated decodes (wasted if aborted)
+    alive: bool = True  # False once finished or aborted
+    request: Request | None = None  # the turn currently inside the engines (None during tool calls)
+    last_engine: SimEngine | None = None  # engine that last prefilled it (prefix affinity)
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens of turn 0 shared by the group (0 without a group)."""
+        return self.spec.turns[0].new_prompt_tokens if self.group_key else 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One turn's work inside the engines: a prefill of `context_tokens`, then `output_tokens` of decode.
+
+    A migrated request (its decode engine switched role) carries the tokens decoded so far in its context, is
+    prefilled again elsewhere (counted as recomputation) and decodes the rest.
+    """
+
+    rid: int
+    traj: Traj
+    turn: int
+    context_tokens: int  # prompt to prefill (incl. decoded-so-far for a migration)
+    output_tokens: int  # tokens still to decode
+    migrated: bool = False
+    cancelled: bool = False  # its trajectory was aborted: drop wherever it is found
+    # Prefill progress (set when an engine starts it).
+    hit_tokens: int = 0  # prefix-cache hit at prefill start
+    to_compute_tokens: int = 0  # context - hit
+    computed_tokens: int = 0  # computed so far (chunked prefill)
+    est_tokens: int = 0  # router's estimate of uncached tokens while queued on an engine
+    # Decode progress (on the engine that decodes it).
+    engine: SimEngine | None = None
+    kv_tokens: int = 0  # KV reserved on `engine` (context + output)
+    start_step: int = 0  # engine step counter value when it joined the batch
+    target_step: int = 0  # step counter value at which its last token is out
+
+    def __repr__(self) -> str:
+        return f"Request({self.traj.spec.traj_id}#{self.turn}, ctx={self.context_tokens}, out={self.output_tokens})"

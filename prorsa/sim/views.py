@@ -1,0 +1,83 @@
+"""What the allocator policy sees of the simulated cluster: a `ClusterView` per decision.
+
+Rates and request statistics cover the interval since the previous view (the policy's interval), measured from
+cumulative counters, as the live allocator measures them from engine stats.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prorsa.sim.engine import ACTIVE, SimEngine
+from services.allocator.policy import ClusterView, EngineView
+
+if TYPE_CHECKING:
+    from prorsa.sim.core import Simulation
+
+
+class ViewBuilder:
+    """Builds `ClusterView`s; remembers the counters of the previous one to turn totals into interval rates."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self._t = 0.0
+        self._engine_done: dict[str, tuple[int, int]] = {}  # engine_id → (prefill, decode) tokens done
+        self._computed = 0
+        self._decoded = 0
+        self._starts = 0
+        self._prompt = 0
+        self._hits = 0
+        self._finished = 0
+        self._finished_out = 0
+        self._submitted = 0
+
+    def build(self, now: float) -> ClusterView:
+        sim, m = self.sim, self.sim.metrics
+        dt = now - self._t
+        engines = tuple(self._engine_view(e, dt) for e in sim.engines.values())
+        computed = m.prefill_computed_tokens + m.migration_recompute_tokens
+        starts = m.prefill_starts - self._starts
+        finished = m.turns_finished - self._finished
+        view = ClusterView(
+            now=now,
+            engines=engines,
+            prefill_queue_tokens=sim.router.pending_tokens()
+            + sum(e.queued_tokens for e in sim.engines.values()),
+            decode_queue_len=len(sim.router.handoffs),
+            prefill_tokens_per_s=(computed - self._computed) / dt if dt > 0 else 0.0,
+            decode_tokens_per_s=(m.decoded_tokens - self._decoded) / dt if dt > 0 else 0.0,
+            recent_window_s=dt,
+            recent_requests=m.turns_submitted - self._submitted,
+            recent_mean_isl_tokens=((m.prompt_tokens - self._prompt) - (m.prefix_hit_tokens - self._hits))
+            / starts
+            if starts
+            else 0.0,
+            recent_mean_cached_tokens=(m.prefix_hit_tokens - self._hits) / starts if starts else 0.0,
+            recent_mean_osl_tokens=(m.finished_output_tokens - self._finished_out) / finished
+            if finished
+            else 0.0,
+        )
+        self._t, self._computed, self._decoded = now, computed, m.decoded_tokens
+        self._starts, self._prompt, self._hits = m.prefill_starts, m.prompt_tokens, m.prefix_hit_tokens
+        self._finished, self._finished_out = m.turns_finished, m.finished_output_tokens
+        self._submitted = m.turns_submitted
+        return view
+
+    def _engine_view(self, e: SimEngine, dt: float) -> EngineView:
+        prefill0, decode0 = self._engine_done.get(e.engine_id, (0, 0))
+        self._engine_done[e.engine_id] = (e.prefill_tokens_done, e.decode_tokens_done)
+        return EngineView(
+            engine_id=e.engine_id,
+            role=e.role,
+            running=len(e.seqs) + len(e.active),
+            waiting=len(e.queue) + len(e.arrivals),
+            queued_prefill_tokens=e.queued_tokens,
+            decode_batch=len(e.seqs),
+            kv_used_tokens=e.kv_reserved,
+            kv_capacity_tokens=e.p.kv_capacity_tokens,
+            in_flight_tokens=e.tokens_in_flight(),
+            switching=e.state != ACTIVE,
+            target_role=e.target_role,
+            prefill_tokens_per_s=(e.prefill_tokens_done - prefill0) / dt if dt > 0 else 0.0,
+            decode_tokens_per_s=(e.decode_tokens_done - decode0) / dt if dt > 0 else 0.0,
+        )

@@ -1,0 +1,211 @@
+"""The allocator's policy seam: what a policy sees (`ClusterView`), what it returns (`Plan`), and a registry.
+
+Pure: a policy takes a view of the cluster at `view.now` and returns a plan or None (keep the current roles). The
+same policy objects run in the allocator service (views built from engine stats, forecasts and tracker snapshots)
+and in the simulator (`prorsa.sim`, views built from its engine models), so a comparison between policies is a
+comparison of decisions, never of plumbing.
+
+Rules:
+* `AllocatorPolicy.decide` sanitises once (the view names every engine once, roles are known) and then calls the
+  subclass's `plan`; it drops assignments that change nothing and returns None when nothing is left, so
+  `Plan.roles` holds only engines that must switch.
+* `initial_plan(engine_ids)` gives the roles to start with (no switching cost at start-up).
+* The caller runs `decide` every `interval_s` seconds (wall clock live, virtual clock in the simulator).
+* `make_policy("name:arg:arg", n_engines, profile=...)` builds a policy from the registry; `register_policy` adds
+  one. `profile` (a `perf_model.ModelProfile`, a built-in profile name, or None for the default) reaches only the
+  factories registered with `uses_profile=True`. The built-in adaptive policies (reactive, dynamo, prorsa, oracle)
+  live in `services.allocator.policies`, which this module imports at its end so that importing it registers them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from proto.messages import ROLES
+
+
+class PolicyError(ValueError):
+    """A policy spec or a view the policy cannot work with (caller's mistake)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine as a policy sees it."""
+
+    engine_id: str
+    role: str  # "prefill" | "decode" | "mixed" (the role it serves, or is leaving while switching)
+    running: int  # requests in its running batch (decodes + prefills in progress)
+    waiting: int  # requests queued on it, not yet running
+    queued_prefill_tokens: int  # uncached prompt tokens waiting to be prefilled on it
+    decode_batch: int  # sequences decoding
+    kv_used_tokens: int  # KV reserved by running work
+    kv_capacity_tokens: int
+    in_flight_tokens: int  # tokens still to compute for the work it holds (prefill + decode)
+    switching: bool  # draining or reconfiguring towards `target_role`
+    target_role: str = ""  # the role it is switching to ("" when not switching)
+    # Optional (0 = not measured): what it computed over the last stats interval. Policies that correct their
+    # performance model online compare these with the model (e.g. prorsa's EWMA of observed / modelled rate).
+    prefill_tokens_per_s: float = 0.0  # prompt tokens it prefilled per second
+    decode_tokens_per_s: float = 0.0  # output tokens it generated per second
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise PolicyError(f"engine {self.engine_id}: unknown role {self.role!r}")
+        if self.target_role and self.target_role not in ROLES:
+            raise PolicyError(f"engine {self.engine_id}: unknown target role {self.target_role!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """The cluster at `now`, as one policy decision sees it."""
+
+    now: float  # seconds (virtual in the simulator)
+    engines: tuple[EngineView, ...]
+    prefill_queue_tokens: int  # uncached prompt tokens waiting anywhere (router + engine queues)
+    decode_queue_len: int  # prefilled requests waiting for a decode slot
+    prefill_tokens_per_s: float  # prompt tokens computed per second over the last interval
+    decode_tokens_per_s: float  # output tokens generated per second over the last interval
+    forecast: object | None = None  # demand forecast (filled in by the forecaster issue)
+    snapshot: object | None = None  # trajectory lifecycle snapshot (filled in by the tracker issue)
+    # Optional request-level load since the previous decision (0 = not measured), as Dynamo's planner observes it:
+    # the window they cover, requests submitted in it (turns sent for prefill), their mean uncached prompt tokens
+    # (ISL), mean prefix tokens served from cache, and the mean output tokens (OSL) of requests finished in it.
+    recent_window_s: float = 0.0
+    recent_requests: int = 0
+    recent_mean_isl_tokens: float = 0.0
+    recent_mean_cached_tokens: float = 0.0
+    recent_mean_osl_tokens: float = 0.0
+
+    def roles(self) -> dict[str, str]:
+        """engine_id → the role it will serve (its target when switching)."""
+        return {e.engine_id: (e.target_role or e.role) for e in self.engines}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Roles to move engines to (engine_id → role), with the reason a human reads in logs."""
+
+    roles: Mapping[str, str]
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        for engine_id, role in self.roles.items():
+            if role not in ROLES:
+                raise PolicyError(f"plan moves {engine_id} to unknown role {role!r}")
+        object.__setattr__(self, "roles", MappingProxyType(dict(self.roles)))
+
+
+@dataclass
+class AllocatorPolicy(ABC):
+    """Base class: sanitise the view once, ask the subclass for target roles, keep only real changes."""
+
+    name: str = "base"
+    interval_s: float = 5.0  # seconds between decisions
+
+    @abstractmethod
+    def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
+        """Roles for every engine at start-up."""
+
+    @abstractmethod
+    def plan(self, view: ClusterView) -> Plan | None:
+        """Target roles for (some) engines, given a sanitised view; None = keep."""
+
+    def decide(self, view: ClusterView) -> Plan | None:
+        """The switches this policy wants now, or None. Raises PolicyError on a malformed view or plan."""
+        ids = [e.engine_id for e in view.engines]
+        if len(set(ids)) != len(ids):
+            raise PolicyError("view lists an engine twice")
+        proposed = self.plan(view)
+        if proposed is None:
+            return None
+        current = view.roles()
+        unknown = sorted(set(proposed.roles) - set(current))
+        if unknown:
+            raise PolicyError(f"policy {self.name} planned unknown engine(s): {', '.join(unknown)}")
+        changes = {eid: role for eid, role in proposed.roles.items() if current[eid] != role}
+        if not changes:
+            return None
+        return Plan(roles=changes, reason=proposed.reason)
+
+
+@dataclass
+class FixedRolesPolicy(AllocatorPolicy):
+    """Keeps a fixed assignment: the first engines (in sorted id order) by count per role."""
+
+    counts: tuple[tuple[str, int], ...] = ()
+
+    def _assign(self, engine_ids: Sequence[str]) -> dict[str, str]:
+        total = sum(n for _, n in self.counts)
+        if total != len(engine_ids):
+            raise PolicyError(f"policy {self.name} covers {total} engines, the cluster has {len(engine_ids)}")
+        roles = [role for role, n in self.counts for _ in range(n)]
+        return dict(zip(sorted(engine_ids), roles, strict=True))
+
+    def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
+        return Plan(roles=self._assign(engine_ids), reason=f"{self.name}: initial roles")
+
+    def plan(self, view: ClusterView) -> Plan | None:
+        # Idempotent: re-asserts the fixed roles if an engine drifted (e.g. the initial plan was never applied).
+        return Plan(
+            roles=self._assign([e.engine_id for e in view.engines]), reason=f"{self.name}: fixed roles"
+        )
+
+
+def _colocated(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
+    if args:
+        raise PolicyError(f"colocated takes no arguments, got {':'.join(args)}")
+    return FixedRolesPolicy(name="colocated", interval_s=30.0, counts=(("mixed", n_engines),))
+
+
+def _static(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
+    if len(args) != 2 or not all(a.isdigit() for a in args):
+        raise PolicyError(f"static needs static:P:D with integers, got static:{':'.join(args)}")
+    n_prefill, n_decode = int(args[0]), int(args[1])
+    if n_prefill < 1 or n_decode < 1 or n_prefill + n_decode != n_engines:
+        raise PolicyError(f"static:{n_prefill}:{n_decode} must split all {n_engines} engines, ≥ 1 per role")
+    return FixedRolesPolicy(
+        name=f"static:{n_prefill}:{n_decode}",
+        interval_s=30.0,
+        counts=(("prefill", n_prefill), ("decode", n_decode)),
+    )
+
+
+PolicyFactory = Callable[..., AllocatorPolicy]
+_REGISTRY: dict[str, PolicyFactory] = {"colocated": _colocated, "static": _static}
+_USES_PROFILE: set[str] = set()
+
+
+def register_policy(name: str, factory: PolicyFactory, *, uses_profile: bool = False) -> None:
+    """Add a policy factory for spec `name:arg:...`: `factory(args, n_engines)`, or
+    `factory(args, n_engines, profile)` when `uses_profile`. Raises PolicyError on a clash."""
+    if name in _REGISTRY:
+        raise PolicyError(f"policy {name!r} is already registered")
+    _REGISTRY[name] = factory
+    if uses_profile:
+        _USES_PROFILE.add(name)
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_policy(spec: str, n_engines: int, *, profile: object | None = None) -> AllocatorPolicy:
+    """Build a policy from `name[:arg...]` for a cluster of `n_engines`, with the engines' performance profile
+    (None = the default profile). Raises PolicyError if unknown/invalid."""
+    if n_engines < 1:
+        raise PolicyError(f"need at least one engine, got {n_engines}")
+    name, *args = spec.strip().split(":")
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    if name in _USES_PROFILE:
+        return factory(args, n_engines, profile)
+    return factory(args, n_engines)
+
+
+# Registers reactive, dynamo, prorsa and oracle. At the end on purpose: those modules import the names above, and
+# whichever of the two is imported first, the other then finds them defined (no import cycle).
+import services.allocator.policies  # noqa: E402, F401
