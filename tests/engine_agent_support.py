@@ -13,13 +13,18 @@ import proto
 from proto import GenerateRequest, SamplingParams, TokenChunk
 from services.engine_agent.agent import AgentConfig, EngineAgent
 from services.engine_agent.backends.sim_backend import SimBackend
+from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, context_tokens, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.engine_agent.model_profiles import load_profile
+from services.engine_agent.perf_model import ModelProfile
+from services.runtime import clock
 
 PROFILE = load_profile("qwen3-235b")
 
 
-def make_agent(url: str, engine_id: str, role: str, speedup: float = 20.0, **config: Any) -> EngineAgent:
+def make_agent(
+    url: str, engine_id: str, role: str, speedup: float | None = 20.0, **config: Any
+) -> EngineAgent:
     """An agent tuned for tests: short polls and intervals, a short ack_wait."""
     max_model_len = config.pop("max_model_len", 131_072)
     defaults: dict[str, Any] = {
@@ -46,9 +51,37 @@ def request(
         prompt_len=prompt_len,
         sampling=SamplingParams(max_tokens=max_tokens),
         reply_to=reply_to or f"prorsa.reply.test.{rid}",
-        submitted_s=time.time(),
+        submitted_s=clock.now_s(),
         **fields,
     )
+
+
+def generate_seq(request: GenerateRequest, max_model_len: int = 131_072) -> SimSeq:
+    """The scheduler's sequence for a locally generated (`generate`) request, as SimBackend.generate builds it."""
+    end, reason = output_end(request, max_model_len)
+    return SimSeq(
+        request_id=request.request_id,
+        traj_id=request.traj_id,
+        mode="generate",
+        context_tokens=context_tokens(request),
+        pos=len(request.resume_token_ids),
+        end=end,
+        end_reason=reason,
+        tokens=SimTokens(request.request_id),
+        want_logprobs=request.sampling.logprobs,
+    )
+
+
+def modelled_s(profile: ModelProfile, requests: list[GenerateRequest], role: str = "mixed") -> float:
+    """Virtual seconds a fresh engine takes to generate `requests` all submitted at 0, stepping one at a time."""
+    sched = SimScheduler(profile, role, 131_072)
+    for r in requests:
+        sched.add_prefill(generate_seq(r))
+    now = 0.0
+    while (step := sched.plan(now)) is not None:
+        now += step.duration_s
+        sched.apply(step, now)
+    return now
 
 
 def expected_ids(rid: str, n: int) -> list[int]:

@@ -15,6 +15,7 @@ from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.engine_agent.model_profiles import load_profile
+from services.runtime import clock
 
 P = load_profile("qwen3-235b")
 
@@ -151,7 +152,7 @@ async def test_expired_kv_raises_before_any_token() -> None:
             request=req("g", 10),
             prefill_engine="p",
             first_token_id=1,
-            kv_transfer_params={"sim_expires_s": time.time() - 1},
+            kv_transfer_params={"sim_expires_s": clock.now_s() - 1},
         )
         with pytest.raises(KvUnavailable):
             await anext(b.decode(gone))

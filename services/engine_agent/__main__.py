@@ -36,7 +36,12 @@ def extend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile", default=DEFAULT_PROFILE, help="sim: built-in model profile or profile JSON path"
     )
-    p.add_argument("--speedup", type=float, default=10.0, help="sim: virtual seconds per wall second")
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=None,
+        help="sim: virtual seconds per wall second (default: $PRORSA_TIME_SCALE if set, else 10)",
+    )
     p.add_argument("--model", default=None, help="vllm: model path")
     p.add_argument("--max-model-len", type=int, default=None, help="context + output tokens per sequence")
     p.add_argument("--kv-ttl-s", type=float, default=480.0, help="sim: virtual seconds handed-off KV is kept")

@@ -9,13 +9,17 @@ announced on `policy.version` between requests.
 Roles: `prefill` takes GenerateRequests and hands their KV to the decode queue; `decode` takes DecodeHandoffs and
 streams tokens; `mixed` (colocation) takes GenerateRequests and decodes them itself, and takes handoffs when it has
 no prefill work.
+
+Time: every timestamp (`ts_s`), duration and rate the agent publishes is in scaled seconds read from
+`services.runtime.clock` (wall seconds × $PRORSA_TIME_SCALE), the one notion of a second shared across the bus.
+Fixed cadences of the agent's own loops (stats, progress, polls, heartbeats against JetStream's ack_wait) stay in
+wall seconds: they pace I/O, not the modelled engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +36,25 @@ from services.engine_agent.puller import PullConfig, WorkPuller
 from services.engine_agent.role_state import initial_state, on_command, on_switch_done, on_switch_failed
 from services.engine_agent.runner import JobRunner
 from services.engine_agent.switching import drain_for_switch, hand_off_all
+from services.runtime import clock
 from services.runtime.service import Service
 
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     role: str = "mixed"  # role at start-up
+    # Wall seconds (I/O cadences and server-side timeouts, see the module docstring):
     ack_wait_s: float = 30.0  # JetStream ack_wait of the work consumers (in_progress() every third of it)
-    stats_interval_s: float = 1.0
+    stats_interval_s: float = 1.0  # EngineStats publishing interval (its rates are per scaled second)
     progress_interval_s: float = 0.1  # TokenProgress batching interval
     chunk_interval_s: float = 0.02  # at most one TokenChunk per request per interval
     prefill_budget_tokens: int = 32_768  # prompt tokens held for prefill at most (prefill and mixed roles)
     max_fetch: int = 16
     own_poll_s: float = 0.02
     any_poll_s: float = 0.25
+    # Scaled seconds (waiting for generation, which runs on the scaled clock):
     weights_drain_timeout_s: float = 10.0  # a weight update waits this long for held requests to finish
-    stop_timeout_s: float = 10.0  # graceful stop: time to hand on held work
+    stop_timeout_s: float = 10.0  # wall seconds: graceful stop, time to hand on held work (publish and ack)
 
 
 class EngineAgent(Service):
@@ -89,7 +96,7 @@ class EngineAgent(Service):
         self._event_seq = 0
         self._pending_update: PolicyVersionUpdate | None = None
         self._weights_task: asyncio.Task[Any] | None = None
-        self._stats_prev = (time.monotonic(), 0, 0, 0)
+        self._stats_prev = (clock.monotonic_s(), 0, 0, 0)
         self._hit_rate = 0.0
         self._handed_off = False
         self._serving = False  # set once setup() completed: only then is there work to hand off
@@ -147,7 +154,7 @@ class EngineAgent(Service):
     async def emit(self, cls: type[Message], **fields: Any) -> None:
         """Publish an engine event (PrefillDone, TokenProgress, ...) into the EVENTS stream, numbered per engine."""
         self._event_seq += 1
-        msg = cls(engine_id=self.engine_id, ts_s=time.time(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
+        msg = cls(engine_id=self.engine_id, ts_s=clock.now_s(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
         try:
             await self.js_publish(self.subjects.engine_events(self.engine_id), msg)
         except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
@@ -158,7 +165,7 @@ class EngineAgent(Service):
 
     async def _on_command(self, cmd: Message, raw: Any) -> None:
         assert isinstance(cmd, RoleSwitchCommand)
-        self.role_state, d = on_command(self.role_state, cmd, time.time())
+        self.role_state, d = on_command(self.role_state, cmd, clock.now_s())
         self.log.info("role_command", epoch=cmd.epoch, role=cmd.role, decision=d.kind)
         if d.kind == "rejected":
             await self.reject(raw, d.error_kind, d.error)
@@ -186,10 +193,10 @@ class EngineAgent(Service):
                 except Exception as exc:
                     self.metrics.count_error("switch")
                     self.log.exception("role_switch_failed", epoch=cmd.epoch, error=repr(exc))
-                    self.role_state, ack, cmd = on_switch_failed(self.role_state, time.time(), repr(exc))
+                    self.role_state, ack, cmd = on_switch_failed(self.role_state, clock.now_s(), repr(exc))
                 else:
                     self.role_state, ack, cmd = on_switch_done(
-                        self.role_state, time.time(), migrated, drained
+                        self.role_state, clock.now_s(), migrated, drained
                     )
                     self.last_switch_s = ack.switch_s
                 self.log.info(
@@ -226,9 +233,9 @@ class EngineAgent(Service):
             self.puller.pause("weights")
             try:
                 await self.puller.wait_idle()
-                deadline = time.monotonic() + self.config.weights_drain_timeout_s
-                while self.runner.jobs and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+                deadline_s = clock.monotonic_s() + self.config.weights_drain_timeout_s
+                while self.runner.jobs and clock.monotonic_s() < deadline_s:
+                    await asyncio.sleep(0.02)  # a wall-time poll interval
                 async with self.reconfig_lock:
                     await self.backend.reload_weights(update.version, update.weights_path)
                 self.policy_version = update.version
@@ -245,12 +252,12 @@ class EngineAgent(Service):
         while True:
             with contextlib.suppress(Exception):
                 await self.publish(self.subjects.engine_stats(self.engine_id), self.stats_snapshot())
-            await asyncio.sleep(self.config.stats_interval_s)
+            await asyncio.sleep(self.config.stats_interval_s)  # wall cadence, see AgentConfig
 
     def stats_snapshot(self) -> EngineStats:
-        """EngineStats now; token rates are over the time since the previous snapshot."""
+        """EngineStats now; token rates are per scaled second over the time since the previous snapshot."""
         r = self.runner
-        now = time.monotonic()
+        now = clock.monotonic_s()
         t0, new0, cached0, dec0 = self._stats_prev
         self._stats_prev = (now, r.prefill_new_tokens, r.prefill_cached_tokens, r.decode_tokens)
         dt = max(now - t0, 1e-6)
@@ -260,7 +267,7 @@ class EngineAgent(Service):
         b = self.backend.stats()
         return EngineStats(
             engine_id=self.engine_id,
-            ts_s=time.time(),
+            ts_s=clock.now_s(),
             role=self.role,  # type: ignore[arg-type]
             epoch=self.role_state.applied_epoch,
             backend=self.backend.name,

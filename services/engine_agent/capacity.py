@@ -99,7 +99,7 @@ def pull_size(
 class DrainItem:
     request_id: str
     remaining_tokens: int  # output tokens it is still expected to generate
-    s_per_token: float  # its observed inter-token time (wall seconds)
+    s_per_token: float  # its observed inter-token time (scaled seconds, like the drain timeout)
 
 
 def plan_drain(items: list[DrainItem], drain_timeout_s: float) -> tuple[list[str], list[str]]:

@@ -30,8 +30,8 @@ class Job:
     msg: Any  # nats Msg to ack; replaced when JetStream redelivers the same message while it runs
     stream_seq: int  # the message's sequence in the WORK stream: what a redelivery shares with the original
     expected_tokens: int  # whole-turn output the backend expects
-    pulled_wall_s: float
-    pulled_mono: float
+    pulled_wall_s: float  # clock.now_s() when pulled (Unix time, scaled seconds)
+    pulled_mono: float  # clock.monotonic_s() when pulled (scaled seconds)
     handoff: DecodeHandoff | None = None
     kv_reserved_tokens: int = 0
     next_index: int = 0  # index of the next TokenChunk
@@ -66,7 +66,7 @@ class Job:
         return max(0, self.expected_tokens - self.output_tokens)
 
     def s_per_token(self) -> float | None:
-        """Observed inter-token time of this request here (wall seconds), or None before two streamed tokens."""
+        """Observed inter-token time of this request here (scaled seconds), or None before two streamed tokens."""
         n = len(self.streamed_ids)
         if n < 2 or self.first_stream_mono is None or self.last_stream_mono is None:
             return None

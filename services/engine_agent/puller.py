@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +28,12 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
+from services.runtime import clock
 
 
 @dataclass(frozen=True, slots=True)
 class PullConfig:
+    # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
     ack_wait_s: float = 30.0
     own_poll_s: float = 0.02  # poll of the engine's own (addressed) queue
     any_poll_s: float = 0.25  # long poll of the shared queue
@@ -57,7 +58,7 @@ class WorkPuller:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()
-        self._last_decode_check = 0.0
+        self._last_decode_check = 0.0  # scaled monotonic seconds
         self.fetch_errors = 0
 
     def subject(self, kind: WorkKind, own: bool) -> str:
@@ -137,14 +138,14 @@ class WorkPuller:
         if role == "decode":
             return await self._pull_kind("decode", self.config.any_poll_s)
         any_poll = self.config.any_poll_s
-        check_decode = (
-            role == "mixed" and time.monotonic() - self._last_decode_check >= self.config.decode_check_s
-        )
+        # The clock reads scaled seconds; decode_check_s is a wall interval, hence × the time scale.
+        since_s = clock.monotonic_s() - self._last_decode_check
+        check_decode = role == "mixed" and since_s >= self.config.decode_check_s * clock.time_scale()
         if check_decode:
             any_poll = self.config.own_poll_s  # keep the round short: the decode queues follow
         took = await self._pull_kind("prefill", any_poll)
         if check_decode and took <= 0 and not self._pause_reasons:
-            self._last_decode_check = time.monotonic()
+            self._last_decode_check = clock.monotonic_s()
             decode_took = await self._pull_kind("decode", self.config.own_poll_s)
             took = max(took, decode_took)
         return took

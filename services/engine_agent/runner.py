@@ -11,13 +11,15 @@ Rules that keep every request exactly once for the client:
 - Handing on: a job that streamed nothing is requeued unchanged (a handoff to the decode queue, a request to the
   prefill queue); one that streamed tokens migrates as a GenerateRequest on `work.prefill.any` with
   `resume_token_ids` = everything streamed so far and `next_chunk_index` = the next index.
+
+Times are read from `services.runtime.clock` (scaled seconds): stream times, TTFT/e2e, handoff stamps. The sleeps
+here (chunk, heartbeat and progress intervals) are wall-time I/O cadences.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -37,10 +39,11 @@ from services.engine_agent import outputs
 from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
 from services.engine_agent.capacity import Ewma, HeldWork, kv_reservation_tokens
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
+from services.runtime import clock
 
 MAX_DONE_KEYS = 100_000  # (request_id, stream sequence) pairs remembered for de-duplication
 MAX_DELIVERIES_ON_ERROR = 3  # an engine error naks the work for redelivery this many times, then fails it
-DEFAULT_S_PER_TOKEN = 0.05  # inter-token time assumed before any has been observed
+DEFAULT_S_PER_TOKEN = 0.05  # inter-token time (scaled seconds) assumed before any has been observed
 
 
 class AgentIO(Protocol):
@@ -127,8 +130,8 @@ class JobRunner:
             msg=msg,
             stream_seq=seq,
             expected_tokens=expected,
-            pulled_wall_s=time.time(),
-            pulled_mono=time.monotonic(),
+            pulled_wall_s=clock.now_s(),
+            pulled_mono=clock.monotonic_s(),
             handoff=work if isinstance(work, DecodeHandoff) else None,
             kv_reserved_tokens=0 if kind == "prefill" else kv_reservation_tokens(context, expected),
             next_index=request.next_chunk_index,
@@ -212,7 +215,7 @@ class JobRunner:
             await self._send(job, [res.first_token_id], lps, final=True, reason=res.finish_reason or "length")
             await self._finished(job, res.finish_reason or "length")
             return
-        handoff = outputs.decode_handoff(job, res, self.io.engine_id, time.time())
+        handoff = outputs.decode_handoff(job, res, self.io.engine_id, clock.now_s())
         msg_id = f"{req.request_id}#{req.attempt}:h{job.stream_seq}"
         await self.io.js_publish(self.io.subjects.decode_work_any, handoff, msg_id=msg_id)
         await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=True)
@@ -269,7 +272,7 @@ class JobRunner:
                     break  # these tokens never reach the client: the next engine generates them again
                 if chunk.token_ids:
                     await self._send(job, chunk.token_ids, chunk.logprobs)
-                # Let tokens accumulate in the backend: one chunk per request per interval, not one per token.
+                # Let tokens accumulate in the backend: one chunk per request per interval (wall), not per token.
                 await asyncio.sleep(self.chunk_interval_s)
         await self.io.backend.abort(job.request_id)
         await self._hand_on(job)
@@ -279,7 +282,7 @@ class JobRunner:
     async def _send(
         self, job: Job, ids: list[int], logprobs: list[float] | None, final: bool = False, reason: str = ""
     ) -> None:
-        now = time.monotonic()
+        now = clock.monotonic_s()
         if ids:
             if job.first_stream_mono is None:
                 job.first_stream_mono = now
@@ -296,7 +299,7 @@ class JobRunner:
             final=final,
             reason=reason,
             policy_version=self.io.policy_version,
-            now_s=time.time(),
+            now_s=clock.now_s(),
             now_mono=now,
         )
         await self.io.publish(job.request.reply_to, chunk)
@@ -317,7 +320,9 @@ class JobRunner:
         )
 
     async def _finished(self, job: Job, reason: str) -> None:
-        fields = outputs.finished_fields(job, reason, self.io.policy_version, time.time(), time.monotonic())
+        fields = outputs.finished_fields(
+            job, reason, self.io.policy_version, clock.now_s(), clock.monotonic_s()
+        )
         await self.io.emit(RequestFinished, **fields)
         await self._complete(job, "finished")
 
@@ -388,14 +393,15 @@ class JobRunner:
     # -- periodic ------------------------------------------------------------------------------------------------
 
     async def heartbeat_loop(self, interval_s: float) -> None:
-        """Tell JetStream that held work is still in progress, so its ack_wait does not expire."""
+        """Tell JetStream that held work is still in progress, so its ack_wait (wall seconds) does not expire."""
         while True:
             await asyncio.sleep(interval_s)
             for job in list(self.jobs.values()):
                 await _quietly(job.msg.in_progress())
 
     async def progress_loop(self, interval_s: float) -> None:
-        """One TokenProgress per interval listing every decoding request that made progress (never per token)."""
+        """One TokenProgress per interval (wall) listing every decoding request that made progress (never per
+        token)."""
         while True:
             await asyncio.sleep(interval_s)
             items = []

@@ -10,6 +10,10 @@ A switch (the epoch decision is `role_state`'s; this only executes an accepted c
 5. the backend reconfigures (`set_role`: the sim backend pays the profile's switch cost).
 A graceful stop hands on everything at once: nothing the engine held is lost, and migrated streams stay exact
 (a crash instead relies on JetStream redelivery).
+
+Timeouts: a command's `drain_timeout_s` bounds generation, so it is in scaled seconds (`services.runtime.clock`,
+like the inter-token times `plan_drain` compares it with); the others bound I/O (a fetch, a publish) and are wall
+seconds.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from proto import RoleSwitchCommand
 from services.engine_agent.capacity import DrainItem, plan_drain
 from services.engine_agent.jobs import Job
 from services.engine_agent.role_state import job_fate
+from services.runtime import clock
 
-HAND_ON_TIMEOUT_S = 10.0  # a stopped job publishes one message and acks: seconds are plenty
+HAND_ON_TIMEOUT_S = 10.0  # wall: a stopped job publishes one message and acks, seconds are plenty
 
 
 async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
@@ -47,7 +52,7 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
     movers = [by_id[i] for i in migrate_ids]
     for job in movers:
         await runner.stop_job(job)
-    await wait_jobs(finishing, cmd.drain_timeout_s)
+    await wait_jobs(finishing, cmd.drain_timeout_s / clock.time_scale())
     late = [j for j in finishing if not _ended(j)]
     for job in late:
         await runner.stop_job(job)
@@ -74,6 +79,7 @@ async def hand_off_all(agent: Any, timeout_s: float) -> int:
 
 
 async def wait_jobs(jobs: list[Job], timeout_s: float) -> None:
+    """Wait until `jobs` ended, at most `timeout_s` wall seconds."""
     tasks = [j.task for j in jobs if j.task is not None and not j.task.done()]
     if tasks:
         await asyncio.wait(tasks, timeout=max(0.0, timeout_s))

@@ -1,22 +1,32 @@
-"""The simulated engine backend: `SimScheduler` run in wall-clock time, `speedup` virtual seconds per wall second.
+"""The simulated engine backend: `SimScheduler` run in real time, `speedup` virtual seconds per wall second.
 
-The engine loop plans a step, sleeps its modelled duration / speedup, applies it and wakes the streams of the
-sequences that produced tokens. Sleeps are paced against a deadline, so Python overhead inside a busy period is
-absorbed by the next sleeps instead of slowing the modelled engine down (a backlog is never carried across an idle
-period). KV transfer (decode side) is a sleep of `kv_transfer_time_s / speedup` outside the step loop, as a real
-KV connector moves data while the engine keeps stepping.
+Time. Every clock reading and sleep goes through `services.runtime.clock` (scaled seconds = wall seconds ×
+$PRORSA_TIME_SCALE). A modelled (virtual) duration `d` lasts `d / speedup` wall seconds, i.e. `d × scale / speedup`
+scaled seconds; `speedup` defaults to the time scale, so with the scale set the engine's virtual seconds *are* the
+scaled seconds every service measures (prefill_s, ttft_s, e2e_s, tokens/s).
+
+The engine loop plans a step, waits its modelled duration, applies it and wakes the streams of the sequences that
+produced tokens. Waits are paced against a deadline carried from step to step, so Python overhead and late
+wake-ups inside a busy period are absorbed by the next waits instead of slowing the modelled engine down (a backlog
+is never carried across an idle period, and one beyond `MAX_LAG_WALL_S` is dropped rather than replayed as a burst).
+A decode step is 10-25 ms virtual, under a millisecond of wall time at speed-ups of 50+, so pure decode steps are
+coalesced (`SimScheduler.plan`'s budget): one loop iteration covers up to `coalesce_wall_s` of wall time, and work
+that arrives meanwhile joins at the end of the block (an admission delay of at most that quantum).
+KV transfer (decode side) is a wait of `kv_transfer_time_s` outside the step loop, as a real KV connector moves
+data while the engine keeps stepping.
 
 KV handed to a decode engine is named by `kv_transfer_params = {"sim_engine": <engine>, "sim_expires_s": <Unix
-time>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` virtual seconds (vLLM's NIXL connector
-frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by default); a decode that comes
-later finds it gone (`KvUnavailable`).
+time, scaled seconds (clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` virtual
+seconds (vLLM's NIXL connector frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by
+default); a decode that comes later finds it gone (`KvUnavailable`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+import math
+import os
 from collections.abc import AsyncIterator
 
 from proto import DecodeHandoff, GenerateRequest
@@ -39,9 +49,33 @@ from services.engine_agent.backends.sim_scheduler import (
 )
 from services.engine_agent.backends.sim_tokens import QWEN3_VOCAB_SIZE, SimTokens
 from services.engine_agent.perf_model import ModelProfile
+from services.runtime import clock
+from services.runtime.logging import get_logger
 
 DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
 DEFAULT_KV_TTL_S = 480.0
+DEFAULT_SPEEDUP = (
+    10.0  # virtual seconds per wall second when neither `speedup` nor $PRORSA_TIME_SCALE is given
+)
+# Wall time one engine-loop iteration may cover by coalescing decode steps: long enough that a loop trip (~0.1-0.5 ms
+# of Python on a loaded machine) is a small fraction of it, short enough to delay an arrival by little.
+DEFAULT_COALESCE_WALL_S = 0.005
+MAX_LAG_WALL_S = 0.1  # the engine loop catches up at most this far behind its deadline (a stalled event loop)
+_TIME_SCALE_ENV = "PRORSA_TIME_SCALE"  # the variable `services.runtime.clock.time_scale` reads
+
+
+def resolve_speedup(speedup: float | None, engine_id: str = "") -> float:
+    """The speed-up to run at: `speedup` if given (warning when $PRORSA_TIME_SCALE is set and differs: the engine's
+    virtual seconds then differ from the scaled seconds other services measure), else the time scale if set, else
+    `DEFAULT_SPEEDUP`. Raises ValueError if the time scale is not a number."""
+    scale_set = bool(os.environ.get(_TIME_SCALE_ENV))
+    if speedup is None:
+        return clock.time_scale() if scale_set else DEFAULT_SPEEDUP
+    if scale_set and not math.isclose(speedup, clock.time_scale(), rel_tol=1e-9):
+        get_logger("engine_agent", engine_id or "sim").warning(
+            "speedup_differs_from_time_scale", speedup=speedup, time_scale=clock.time_scale()
+        )
+    return speedup
 
 
 class SimBackend:
@@ -55,19 +89,26 @@ class SimBackend:
         engine_id: str,
         *,
         role: str = "mixed",
-        speedup: float = 10.0,
+        speedup: float | None = None,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         vocab_size: int = QWEN3_VOCAB_SIZE,
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         weight_update_s: float | None = None,
+        coalesce_wall_s: float = DEFAULT_COALESCE_WALL_S,
     ) -> None:
+        """`speedup`: virtual seconds per wall second (None: see `resolve_speedup`). `coalesce_wall_s`: wall time
+        one coalesced block of decode steps may last (0: step one at a time). Raises ValueError on bad values."""
+        speedup = resolve_speedup(speedup, engine_id)
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if coalesce_wall_s < 0:
+            raise ValueError(f"coalesce_wall_s must be >= 0, got {coalesce_wall_s}")
         self.profile = profile
         self.engine_id = engine_id
         self.speedup = speedup
+        self.coalesce_wall_s = coalesce_wall_s
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.kv_ttl_s = kv_ttl_s
@@ -78,7 +119,7 @@ class SimBackend:
         self._signals: dict[str, asyncio.Event] = {}
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
         self._wake = asyncio.Event()
-        self._deadline = 0.0
+        self._deadline_s: float | None = None  # scaled monotonic time the current step ends; None when idle
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -140,7 +181,7 @@ class SimBackend:
         self._signals[seq.request_id] = asyncio.Event()
         self.sched.add_incoming(seq)
         try:
-            await asyncio.sleep(pm.kv_transfer_time_s(self.profile, context_tokens(request)) / self.speedup)
+            await self._sleep_virtual(pm.kv_transfer_time_s(self.profile, context_tokens(request)))
         except asyncio.CancelledError:
             self.sched.remove(seq.request_id)
             self._signals.pop(seq.request_id, None)
@@ -170,11 +211,11 @@ class SimBackend:
         return output_end(request, self.max_model_len)[0]
 
     async def reload_weights(self, version: int, weights_path: str) -> None:
-        await asyncio.sleep(self.weight_update_s / self.speedup)
+        await self._sleep_virtual(self.weight_update_s)
         self.sched.cache.clear()
 
     async def set_role(self, role: str) -> None:
-        await asyncio.sleep(pm.role_switch_time_s(self.profile) / self.speedup)
+        await self._sleep_virtual(pm.role_switch_time_s(self.profile))
         self.sched.set_role(role)
 
     # -- engine loop ---------------------------------------------------------------------------------------------
@@ -182,18 +223,31 @@ class SimBackend:
     async def _engine_loop(self) -> None:
         while True:
             self._wake.clear()
-            step = self.sched.plan(time.monotonic())
+            step = self.sched.plan(clock.monotonic_s(), self.coalesce_wall_s * self.speedup)
             if step is None:
+                self._deadline_s = None  # idle: the next busy period starts from its own arrival
                 await self._wake.wait()
                 continue
-            await self._pace(step.duration_s / self.speedup)
-            for seq in self.sched.apply(step, time.monotonic()):
+            await self._pace(step.duration_s)
+            for seq in self.sched.apply(step, clock.monotonic_s()):
                 self._notify(seq)
 
-    async def _pace(self, wall_s: float) -> None:
-        now = time.monotonic()
-        self._deadline = max(self._deadline, now) + wall_s
-        await asyncio.sleep(max(0.0, self._deadline - now))
+    async def _pace(self, virtual_s: float) -> None:
+        """Wait until the deadline moved on by `virtual_s` of modelled time, counted from the previous step's
+        deadline while busy (so overhead is absorbed), never from further back than `MAX_LAG_WALL_S`."""
+        now = clock.monotonic_s()
+        start = now
+        if self._deadline_s is not None:
+            start = max(self._deadline_s, now - MAX_LAG_WALL_S * clock.time_scale())
+        self._deadline_s = start + self._scaled_s(virtual_s)
+        await clock.sleep_s(self._deadline_s - now)  # <= 0 when behind: still yields to the streams
+
+    def _scaled_s(self, virtual_s: float) -> float:
+        """Scaled seconds that `virtual_s` modelled seconds last (equal when speedup = time scale)."""
+        return virtual_s * clock.time_scale() / self.speedup
+
+    async def _sleep_virtual(self, virtual_s: float) -> None:
+        await clock.sleep_s(self._scaled_s(virtual_s))
 
     def _notify(self, seq: SimSeq) -> None:
         if seq.mode == "prefill":
@@ -254,7 +308,7 @@ class SimBackend:
             first_logprob=logprob if seq.want_logprobs else None,
             kv_transfer_params={
                 "sim_engine": self.engine_id,
-                "sim_expires_s": time.time() + self.kv_ttl_s / self.speedup,
+                "sim_expires_s": clock.now_s() + self._scaled_s(self.kv_ttl_s),
             },
             new_tokens=seq.prefill_info.new_tokens,
             cached_tokens=seq.prefill_info.cached_tokens,
@@ -266,10 +320,11 @@ class SimBackend:
     def _check_kv(self, handoff: DecodeHandoff) -> None:
         params = handoff.kv_transfer_params
         expires = params.get("sim_expires_s") if isinstance(params, dict) else None
-        if isinstance(expires, int | float) and not isinstance(expires, bool) and time.time() > expires:
+        now_s = clock.now_s()
+        if isinstance(expires, int | float) and not isinstance(expires, bool) and now_s > expires:
             raise KvUnavailable(
                 f"KV of {handoff.request.request_id} on {handoff.prefill_engine} expired "
-                f"{time.time() - expires:.1f} s ago"
+                f"{now_s - expires:.1f} scaled s ago"
             )
 
     def _check_running(self) -> None:

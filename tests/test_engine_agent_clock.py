@@ -1,0 +1,65 @@
+"""The engine agent on the shared scaled clock: with PRORSA_TIME_SCALE = X the simulated engine runs at speed-up X,
+so the durations it reports (scaled seconds) equal the modelled (virtual) ones."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from proto import RequestFinished, Subjects
+from services.engine_agent.backends.sim_backend import DEFAULT_SPEEDUP, SimBackend, resolve_speedup
+from tests.engine_agent_support import (
+    PROFILE,
+    Watcher,
+    make_agent,
+    modelled_s,
+    publish_work,
+    request,
+    wait_until,
+)
+
+S = Subjects()
+SCALE = 20.0
+
+
+def test_speedup_defaults_to_the_time_scale_and_a_flag_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PRORSA_TIME_SCALE", raising=False)
+    assert SimBackend(PROFILE, "e").speedup == DEFAULT_SPEEDUP
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "35")
+    assert SimBackend(PROFILE, "e").speedup == 35.0
+    with capture_logs() as logs:
+        assert resolve_speedup(35.0) == 35.0
+        assert resolve_speedup(50.0, "e1") == 50.0  # the flag wins, with a warning
+    assert [(e["event"], e["speedup"], e["time_scale"]) for e in logs] == [
+        ("speedup_differs_from_time_scale", 50.0, 35.0)
+    ]
+
+
+async def test_reported_e2e_is_the_modelled_virtual_time(
+    nats_server, nc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRORSA_TIME_SCALE", str(SCALE))
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agent = make_agent(nats_server.url, "clk-0", "mixed", speedup=None)
+    assert agent.backend.speedup == SCALE  # type: ignore[attr-defined]
+    modelled = modelled_s(PROFILE, [request("c1", max_tokens=3_000, prompt_len=2_000)])  # ~26 virtual s
+    await agent.start()
+    try:
+        # submitted_s is stamped from the scaled clock when the request is built: build it as it is sent.
+        await publish_work(nc, S.prefill_work_any, request("c1", max_tokens=3_000, prompt_len=2_000))
+        await watcher.wait_finished(["c1"], timeout_s=modelled / SCALE * 4 + 5)
+        await wait_until(lambda: bool(watcher.of(RequestFinished)))
+    finally:
+        await agent.stop()
+    final = watcher.assert_exact_stream("c1", 3_000)[-1]
+    (finished,) = watcher.of(RequestFinished)
+    print(
+        f"scale {SCALE:g}: modelled {modelled:.2f} s; reported e2e {finished.e2e_s:.2f} s "
+        f"(ratio {finished.e2e_s / modelled:.3f}), queue {finished.queue_s:.2f} s, ttft {final.ttft_s:.2f} s"
+    )
+    for e2e_s in (finished.e2e_s, final.e2e_s):
+        assert 0.7 * modelled <= e2e_s <= 1.3 * modelled
+    assert (
+        0 < final.ttft_s < 0.2 * modelled
+    )  # one prefill step (0.05 virtual s) plus the pull: a few s at most
