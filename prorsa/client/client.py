@@ -8,7 +8,8 @@
 
 It publishes the lifecycle events the tracker needs (with a per-client sequence number), sends each turn to the
 engine that holds the trajectory's prefix when that engine can take it (else to the shared prefill queue), and
-assembles the token stream exactly once (`stream.StreamAssembler`). A request that shows no progress for
+assembles the token stream exactly once (`stream.StreamAssembler`). Timestamps on the bus use the shared scaled
+clock (`services.runtime.clock`); retry and staleness timers are wall-clock, as they guard against real outages. A request that shows no progress for
 `retry_after_s` is republished with the same request_id and attempt+1; whichever copy completes first is the result
 and the other's chunks are dropped, so a retry never duplicates a result.
 Every subject it uses is documented in proto/README.md, so a trainer in another language can do the same.
@@ -44,6 +45,7 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
+from services.runtime import clock
 
 
 class GenerateError(RuntimeError):
@@ -100,7 +102,7 @@ class RolloutClient:
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def emit(self, make: Callable[..., LifecycleEvent], **fields: object) -> None:
         """Publish one lifecycle event into the EVENTS stream (JetStream-acked, so none is lost)."""
-        msg = make(ts_s=time.time(), source=self.client_id, seq=next(self._seq), **fields)
+        msg = make(ts_s=clock.now_s(), source=self.client_id, seq=next(self._seq), **fields)
         await self.js.publish(
             self.subjects.lifecycle, proto.encode(msg), headers={"Nats-Msg-Id": f"{self.client_id}:{msg.seq}"}
         )
@@ -267,7 +269,7 @@ class Trajectory:
             policy_version=self.policy_version,
             task=self.task,
             affinity_engine=self.affinity_engine,
-            submitted_s=time.time(),
+            submitted_s=clock.now_s(),
             sim_output_tokens=sim_output_tokens,
             sim_cacheable_tokens=sim_cacheable_tokens,
         )

@@ -11,14 +11,14 @@ RL modes (the same semantics as the simulator's):
   a trajectory whose policy version falls more than k versions behind is aborted and restarted under the new
   weights (counted in `restarts`).
 
-Times: the simulated backend runs `speedup` virtual seconds per wall second, so the driver sleeps tool latencies
-and training for `virtual / speedup` wall seconds and reports every duration in virtual (workload) seconds.
+Times are read from the shared scaled clock (`services.runtime.clock`): with simulated engines at a speed-up the
+whole system runs PRORSA_TIME_SCALE workload seconds per wall second, so tool latencies, training phases and every
+reported duration are in workload seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +29,7 @@ from prorsa.client import RolloutClient
 from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
 from prorsa.workload.types import TrajectorySpec
 from proto import PolicyVersionUpdate, SamplingParams
+from services.runtime import clock
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,6 @@ class RolloutConfig:
     mode: str = "sync"  # "sync" | "async"
     staleness: int = 0
     training_s: float = 30.0  # virtual seconds per training phase
-    speedup: float = 1.0  # virtual seconds per wall second (1.0 for real engines)
     send_token_ids: bool = False  # real engines need ids; the simulated backend only needs lengths
     token_scale: float = 1.0  # multiply every token count (fits a trace to a tiny real model)
     vocab_size: int = 32000
@@ -63,10 +63,10 @@ class RolloutDriver:
 
     def now_v(self) -> float:
         """Virtual seconds since the rollout began."""
-        return (time.monotonic() - self._t0) * self.config.speedup
+        return clock.monotonic_s() - self._t0
 
     async def run(self, steps: list[list[TrajectorySpec]]) -> RolloutMetrics:
-        self._t0 = time.monotonic()
+        self._t0 = clock.monotonic_s()
         total = sum(len(s) for s in steps)
         for i, batch in enumerate(steps):
             for spec in batch:
@@ -90,9 +90,9 @@ class RolloutDriver:
         return self.metrics
 
     async def _train(self) -> None:
-        await asyncio.sleep(self.config.training_s / self.config.speedup)
+        await clock.sleep_s(self.config.training_s)
         self.version += 1
-        update = PolicyVersionUpdate(version=self.version, ts_s=time.time())
+        update = PolicyVersionUpdate(version=self.version, ts_s=clock.now_s())
         await self.client.nc.publish(self.client.subjects.policy_version, proto.encode(update))
 
     async def _trajectory(self, spec: TrajectorySpec, total: int) -> None:
@@ -149,7 +149,7 @@ class RolloutDriver:
             rec.output_tokens += len(res.token_ids)
             if k + 1 < len(spec.turns):
                 await traj.tool_started("tool")
-                await asyncio.sleep(turn.tool_latency_s / cfg.speedup)
+                await clock.sleep_s(turn.tool_latency_s)
                 await traj.tool_finished(
                     "tool", observation_tokens=self._scaled(spec.turns[k + 1].new_prompt_tokens)
                 )

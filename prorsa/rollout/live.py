@@ -63,12 +63,24 @@ async def run_live(cfg: LiveConfig, progress: Callable[[str, int, int], None] | 
         cfg.workload, batch_size=cfg.batch_size, group_size=cfg.group_size, seed=cfg.seed
     )
     steps = [workload.step(i) for i in range(cfg.steps)]
-    engine_args = list(cfg.extra_engine_args)
+    # Stats cadences are wall-clock; at a speed-up the allocator must judge staleness and decide on that cadence.
+    stats_wall_s = 0.25 if speedup > 1 else 1.0
+    engine_args = [*cfg.extra_engine_args, "--stats-interval-s", str(stats_wall_s)]
     if cfg.backend == "sim":
         engine_args += ["--profile", cfg.profile, "--speedup", str(speedup)]
-    allocator_args = ["--policy", cfg.policy, "--profile", cfg.profile, "--engines", str(cfg.engines)]
-    if cfg.allocator_interval_s:
-        allocator_args += ["--interval-s", str(cfg.allocator_interval_s)]
+    interval_s = cfg.allocator_interval_s or max(5.0, 2 * stats_wall_s * speedup)
+    allocator_args = [
+        "--policy",
+        cfg.policy,
+        "--profile",
+        cfg.profile,
+        "--engines",
+        str(cfg.engines),
+        "--interval-s",
+        str(interval_s),
+        "--stale-after-s",
+        str(max(5.0, 4 * stats_wall_s * speedup)),
+    ]
     system = System(
         SystemConfig(
             nats_url=cfg.nats_url,

@@ -54,6 +54,7 @@ from services.allocator.observed import QueueDepth, RecentLoad, build_view
 from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError, make_policy, policy_names
 from services.allocator.switcher import SwitchCoordinator
+from services.runtime import clock
 from services.runtime.service import Service
 
 
@@ -145,7 +146,7 @@ class AllocatorService(Service):
         self.spawn(self._loop(), name="allocator-loop")
 
     def health_details(self) -> dict[str, Any]:
-        now = time.time()
+        now = clock.now_s()
         return {
             "policy": self.policy.name if self.policy is not None else self.policy_spec,
             "profile": self.profile.name,
@@ -162,7 +163,7 @@ class AllocatorService(Service):
     # --- inputs -------------------------------------------------------------------------------------------------
     async def _on_stats(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, EngineStats)
-        now = time.time()
+        now = clock.now_s()
         if raw.subject.rsplit(".", 1)[-1] != msg.engine_id:
             await self.reject(
                 raw, "invalid_request", f"stats for {msg.engine_id} on {raw.subject}", "engine_id"
@@ -193,12 +194,12 @@ class AllocatorService(Service):
         out = self.coord.outstanding.get(ack.engine_id)
         if out is not None and ack.ok and ack.epoch >= out.epoch:
             self.applied[ack.engine_id] = (ack.epoch, ack.role)
-        self.coord.observe_ack(ack, time.time())
+        self.coord.observe_ack(ack, clock.now_s())
         return True
 
     async def _on_forecast(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, DemandForecast)
-        self.forecast, self._forecast_rx_s = msg, time.time()
+        self.forecast, self._forecast_rx_s = msg, clock.now_s()
 
     async def _on_snapshot(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, LifecycleSnapshot)
@@ -217,7 +218,7 @@ class AllocatorService(Service):
     # --- the decision loop --------------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while not self.stopping:
-            await asyncio.sleep(self.interval_s)
+            await clock.sleep_s(self.interval_s)  # the policy's interval is in (scaled) seconds
             try:
                 await self.tick()
             except Exception as exc:  # one bad decision must not end the loop
@@ -226,7 +227,7 @@ class AllocatorService(Service):
 
     async def tick(self) -> list[RoleSwitchCommand]:
         """One decision: view → policy → commands → plan. Returns the commands sent (tests, logs)."""
-        now = time.time()
+        now = clock.now_s()
         for engine in self.coord.expire(now):
             self.log.warning("ack_timeout", engine=engine, note="not retried; the next stats decide")
         fresh = self.coord.fresh_engines(now)
