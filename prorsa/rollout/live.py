@@ -111,7 +111,6 @@ async def run_live(cfg: LiveConfig, progress: Callable[[str, int, int], None] | 
                 mode=cfg.mode,
                 staleness=cfg.staleness,
                 training_s=cfg.training_s,
-                speedup=speedup,
                 send_token_ids=cfg.backend != "sim",
                 token_scale=cfg.token_scale,
                 seed=cfg.seed,

@@ -1,0 +1,272 @@
+"""The agent's `Backend` protocol over a real vLLM engine (`vllm_engine.VllmEngine`).
+
+Positions follow `services.engine_agent.backend`: the context is `prompt_token_ids + resume_token_ids`, the output
+is the whole turn (`sampling.max_tokens` tokens, the first `len(resume)` already streamed elsewhere).
+
+Prefill/decode across engines. The NIXL connector's decode engine recomputes the last prompt token and samples the
+first output token itself; the protocol says the decode stream starts *after* the prefill engine's first token
+(the agent has streamed that one already). Both engines therefore sample with the same seed (the request's, else
+one derived from request id and resume length), which makes the decode engine draw the same first token from the
+same logits; the backend drops it from the decode stream. Should it still differ (numerics at a tie), the
+continuation would follow a token the client never saw, so the backend abandons the pulled KV and prefills
+context + first token locally instead: slower, never wrong.
+
+Roles. Every engine runs the NIXL connector as `kv_both`, so prefill, decode and mixed work need no restart:
+`set_role` only restarts the engine when `role_overrides` gives the new role different engine settings (for
+example a larger batch for decode), and that restart costs a full engine start (tens of seconds on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+
+from proto import DecodeHandoff, GenerateRequest
+from services.engine_agent.backend import (
+    BackendError,
+    BackendStats,
+    GenChunk,
+    KvUnavailable,
+    PrefillInfo,
+    PrefillResult,
+    RequestAborted,
+)
+from services.engine_agent.backends.vllm_engine import EngineChunk, VllmEngine, VllmEngineConfig, request_seed
+
+log = logging.getLogger(__name__)
+
+# Start a remote decode only while the prefill engine surely still holds the KV (its lease runs from the prefill,
+# `handed_off_s`); past this fraction of the lease the blocks may be freed and reused before the pull.
+_LEASE_SAFETY = 0.8
+
+
+def _context(request: GenerateRequest) -> list[int]:
+    if not request.prompt_token_ids:
+        raise BackendError(f"request {request.request_id}: the vLLM backend needs prompt_token_ids")
+    return list(request.prompt_token_ids) + list(request.resume_token_ids)
+
+
+def _seed(request: GenerateRequest) -> int:
+    if request.sampling.seed is not None:
+        return request.sampling.seed
+    return request_seed(f"{request.request_id}:{len(request.resume_token_ids)}")
+
+
+def _finish_reason(chunk: EngineChunk) -> str:
+    """vLLM's finish reason in the protocol's terms. Raises BackendError for an engine-side failure."""
+    if not chunk.finished:
+        return ""
+    if chunk.finish_reason == "error":
+        raise BackendError(f"request {chunk.request_id} failed inside the engine")
+    return chunk.finish_reason if chunk.finish_reason in ("length", "abort") else "stop"
+
+
+class VllmBackend:
+    """`Backend` over one vLLM engine (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        config: VllmEngineConfig,
+        *,
+        role: str = "mixed",
+        role_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.engine = VllmEngine(config)
+        self.max_model_len = config.max_model_len
+        self.role = role
+        self.role_overrides = dict(role_overrides or {})
+        self.weight_version = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.stop()
+
+    # -- work ----------------------------------------------------------------------------------------------------
+
+    def _remaining(self, request: GenerateRequest) -> int:
+        """Output tokens still to generate: max_tokens for the whole turn, capped by the model length."""
+        context = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        end = min(
+            request.sampling.max_tokens, len(request.resume_token_ids) + max(0, self.max_model_len - context)
+        )
+        return end - len(request.resume_token_ids)
+
+    def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
+        s = request.sampling
+        return {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "logprobs": s.logprobs,
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+        }
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
+        context = _context(request)
+        remaining = self._remaining(request)
+        if remaining <= 0:
+            yield GenChunk([], None, finished=True, finish_reason="length", prefill=PrefillInfo(0, 0, 0.0))
+            return
+        stream = self.engine.generate(
+            request.request_id, context, remaining, seed=request.sampling.seed, **self._sampling(request)
+        )
+        first = True
+        async with contextlib.aclosing(stream):
+            async for chunk in stream:
+                prefill = None
+                if first:
+                    cached = chunk.num_cached_tokens
+                    prefill = PrefillInfo(len(context) - cached, cached, chunk.ttft_s or chunk.elapsed_s)
+                    first = False
+                yield GenChunk(
+                    chunk.token_ids,
+                    chunk.logprobs,
+                    finished=chunk.finished,
+                    finish_reason=_finish_reason(chunk),
+                    prefill=prefill,
+                )
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        context = _context(request)
+        remaining = self._remaining(request)
+        if remaining <= 0:
+            raise BackendError(f"request {request.request_id}: nothing left to generate")
+        if remaining == 1:
+            # The first token is the last: no decode follows, so keep no KV for one.
+            return await self._prefill_only(request, context)
+        h = await self.engine.prefill_for_remote_decode(
+            request.request_id, context, seed=_seed(request), **self._sampling(request)
+        )
+        finished = h.finish_reason != "length"  # a stop token: the turn ends here
+        return PrefillResult(
+            first_token_id=h.first_token_id,
+            first_logprob=h.first_logprob,
+            kv_transfer_params=h.kv_transfer_params,
+            new_tokens=h.num_prompt_tokens - h.num_cached_tokens,
+            cached_tokens=h.num_cached_tokens,
+            prefill_s=h.prefill_s,
+            finished=finished,
+            finish_reason="stop" if finished else "",
+        )
+
+    async def _prefill_only(self, request: GenerateRequest, context: list[int]) -> PrefillResult:
+        chunks = [
+            c async for c in self.engine.generate(request.request_id, context, 1, **self._sampling(request))
+        ]
+        last = chunks[-1]
+        reason = _finish_reason(last)
+        tokens = [t for c in chunks for t in c.token_ids]
+        logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        if reason == "abort" or not tokens:
+            raise RequestAborted(f"prefill {request.request_id} aborted")
+        return PrefillResult(
+            first_token_id=tokens[0],
+            first_logprob=logprobs[0] if logprobs else None,
+            kv_transfer_params=None,
+            new_tokens=len(context) - last.num_cached_tokens,
+            cached_tokens=last.num_cached_tokens,
+            prefill_s=last.ttft_s or last.elapsed_s,
+            finished=True,
+            finish_reason=reason,
+        )
+
+    async def decode(self, handoff: DecodeHandoff) -> AsyncIterator[GenChunk]:
+        request = handoff.request
+        context = _context(request)
+        remaining = self._remaining(request)  # includes the handed-off first token
+        if remaining <= 1:
+            yield GenChunk([], None, finished=True, finish_reason="length")
+            return
+        if handoff.first_token_id is None:
+            raise BackendError(f"handoff {request.request_id} has no first token")
+        self._check_lease(handoff)
+        stream = self.engine.decode_from_remote(
+            request.request_id,
+            context,
+            handoff.kv_transfer_params or {},
+            remaining,
+            seed=_seed(request),
+            **self._sampling(request),
+        )
+        async with contextlib.aclosing(stream):
+            first = await anext(stream)  # raises KvUnavailable when the pull fails
+            if first.token_ids and first.token_ids[0] != handoff.first_token_id:
+                log.warning(
+                    "decode %s: first token %d differs from the prefill's %d; recomputing locally",
+                    request.request_id,
+                    first.token_ids[0],
+                    handoff.first_token_id,
+                )
+                await stream.aclose()
+                async for chunk in self._decode_locally(request, handoff.first_token_id):
+                    yield chunk
+                return
+            yield self._without_first_token(first)
+            async for chunk in stream:
+                yield GenChunk(chunk.token_ids, chunk.logprobs, chunk.finished, _finish_reason(chunk))
+
+    def _check_lease(self, handoff: DecodeHandoff) -> None:
+        if handoff.kv_transfer_params is None:
+            raise KvUnavailable(f"handoff {handoff.request.request_id} names no KV")
+        lease_s = self.engine.config.kv_lease_s
+        if handoff.handed_off_s > 0 and time.time() - handoff.handed_off_s > _LEASE_SAFETY * lease_s:
+            raise KvUnavailable(
+                f"handoff {handoff.request.request_id} is older than {_LEASE_SAFETY:.0%} of the {lease_s} s KV lease"
+            )
+
+    @staticmethod
+    def _without_first_token(chunk: EngineChunk) -> GenChunk:
+        logprobs = chunk.logprobs[1:] if chunk.logprobs is not None else None
+        return GenChunk(chunk.token_ids[1:], logprobs, chunk.finished, _finish_reason(chunk))
+
+    async def _decode_locally(self, request: GenerateRequest, first_token_id: int) -> AsyncIterator[GenChunk]:
+        resumed = msgspec.structs.replace(
+            request, resume_token_ids=[*request.resume_token_ids, first_token_id]
+        )
+        async for chunk in self.generate(resumed):
+            yield dataclasses.replace(chunk, prefill=None)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    # -- load, weights, role -------------------------------------------------------------------------------------
+
+    def stats(self) -> BackendStats:
+        s = self.engine.stats()
+        return BackendStats(
+            running=s.running,
+            waiting=s.waiting,
+            kv_used_tokens=round(s.kv_usage * s.kv_capacity_tokens),
+            kv_capacity_tokens=s.kv_capacity_tokens,
+            max_batch=s.max_batch,
+        )
+
+    def expected_output_tokens(self, request: GenerateRequest) -> int:
+        # A real model's output length is unknown before it stops: the upper bound.
+        return min(request.sampling.max_tokens, max(0, self.max_model_len - request.prompt_len))
+
+    async def reload_weights(self, version: int, weights_path: str) -> None:
+        await self.engine.reload_weights(weights_path or None)
+        self.weight_version = version
+
+    async def set_role(self, role: str) -> None:
+        overrides = self.role_overrides.get(role)
+        if overrides:
+            new_config = dataclasses.replace(self.engine.config, **overrides)
+            if new_config != self.engine.config:
+                await self.engine.restart(new_config)
+                self.max_model_len = new_config.max_model_len
+        self.role = role

@@ -1,0 +1,89 @@
+"""vLLM's streamed `RequestOutput`s (DELTA kind) as the backend's `EngineChunk`s: tokens, logprobs, timings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChunk:
+    """Output of one request since its previous chunk."""
+
+    request_id: str
+    token_ids: list[int]  # new output token ids, in order (may be empty on a final chunk)
+    # Logprob of each new token under the model's raw distribution; None when not asked for.
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str  # "" until finished; then "length" | "stop" | "abort" | "error" (vLLM's strings)
+    num_prompt_tokens: int
+    # Prompt tokens not computed by this request's prefill: local prefix-cache hits; on a remote decode, the
+    # prefill engine's hits as vLLM reports them (the pulled tokens themselves are not counted).
+    num_cached_tokens: int
+    num_output_tokens: int  # output tokens so far, this chunk included
+    ttft_s: float | None  # submit -> first token on this engine's wall clock; None before it
+    elapsed_s: float  # submit -> this chunk
+    kv_transfer_params: dict[str, Any] | None = None  # final chunk of a prefill for remote decode
+
+
+def _plain(value: Any) -> Any:
+    """kv_transfer_params as plain JSON/msgpack types (vLLM may hand back tuples)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+class StreamState:
+    """Turns one request's DELTA `RequestOutput`s into `EngineChunk`s."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.ttft_s: float | None = None
+
+    def chunk(self, out: Any, elapsed_s: float) -> EngineChunk:
+        completion = out.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [
+                float(entry[tok].logprob) for entry, tok in zip(completion.logprobs, token_ids, strict=True)
+            ]
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = int(out.num_cached_tokens)
+        if token_ids and self.ttft_s is None:
+            self.ttft_s = elapsed_s
+        self.num_output_tokens += len(token_ids)
+        kv_params = out.kv_transfer_params
+        return EngineChunk(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finished=bool(out.finished),
+            finish_reason=str(completion.finish_reason or "") if out.finished else "",
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+            ttft_s=self.ttft_s,
+            elapsed_s=elapsed_s,
+            kv_transfer_params=_plain(kv_params) if (out.finished and kv_params) else None,
+        )
+
+    def final(self, reason: str, elapsed_s: float) -> EngineChunk:
+        return EngineChunk(
+            request_id=self.request_id,
+            token_ids=[],
+            logprobs=None,
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+            ttft_s=self.ttft_s,
+            elapsed_s=elapsed_s,
+        )

@@ -1,0 +1,451 @@
+"""One real vLLM engine (`AsyncLLM`) with token ids in and out, and KV handed between engines by NIXL.
+
+This is the token-level layer; `vllm_backend.VllmBackend` adapts it to the agent's `Backend` protocol.
+
+Theory of operation (vLLM 0.32, read from its sources):
+- `AsyncLLM` keeps the engine core in a child process (always, for the async client); this process runs the
+  output handler as a task of the event loop that first submits a request, so an engine belongs to one loop.
+  Building it blocks for the child's start (it re-imports vLLM: ~15-25 s on a 2-core CPU machine), so `start()`
+  builds it in a worker thread and the loop keeps serving.
+- Disaggregation uses the NIXL connector in `kv_both` role, so every engine can prefill for others and decode
+  for others without a restart. A prefill for remote decode is a request with `max_tokens=1` and
+  `SamplingParams.extra_args["kv_transfer_params"] = {"do_remote_decode": True}`; its final output carries the
+  `kv_transfer_params` (remote engine id, block ids, side-channel host/port, ...) that a decode engine passes, in
+  the same `extra_args` slot, with the same prompt. The decode engine pulls the prompt's KV (one-sided NIXL read
+  after a ZMQ handshake with the prefill engine's side channel), recomputes the last prompt token and samples the
+  first output token again: that token equals the prefill engine's only if both draw it the same way, so a
+  prefill/decode pair always samples with a seed (the caller's, else one derived from the request id).
+- The prefill engine holds the handed-off blocks for `kv_lease_s` unless the decode engine accepted the request
+  (it then renews the lease by heartbeats and frees the blocks once read). A decode that starts after the lease
+  expired could read reused blocks, so callers must not start one that late (the backend checks the age).
+- A failed KV pull ends the decode request with finish reason "error" (`kv_load_failure_policy="fail"`).
+- Per-process settings that vLLM only reads from the environment (NIXL side-channel port, worker placement,
+  OpenMP threads) are set while the engine's child process is spawned, under a lock, then restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.engine_agent.backend import BackendError, KvUnavailable, RequestAborted
+from services.engine_agent.backends.vllm_chunks import EngineChunk, StreamState
+from services.engine_agent.backends.vllm_stats import (
+    EngineStatsBox,
+    VllmEngineStats,
+    make_stat_logger_factory,
+)
+
+log = logging.getLogger(__name__)
+
+# The environment is process-wide and an engine's child process copies it when spawned, inside the build: the
+# lock is held for the whole build, so engines of one process start one after the other.
+_ENV_LOCK = threading.Lock()
+_WARMUP_PROMPT_TOKENS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngineConfig:
+    """How to build one engine. `replace()` it and `restart()` to change anything (vLLM has no live reconfig)."""
+
+    model_path: str
+    engine_id: str  # NIXL engine id: unique among engines that exchange KV
+    nixl_port: int = 5600  # this engine's NIXL side channel (decode engines handshake here); unique per host
+    nixl_host: str = (
+        "127.0.0.1"  # address decode engines reach the side channel on (goes into kv_transfer_params)
+    )
+    kv_transfer: bool = True  # attach the NIXL connector (kv_both); False: a plain colocated engine
+    kv_lease_s: int = 120  # how long a prefill engine keeps handed-off KV for a decode engine to claim
+    kv_cache_bytes: int = 512 << 20  # KV cache size (CPU: host memory; GPU: device memory)
+    max_model_len: int = 4096
+    max_num_seqs: int = 64  # most sequences in one batch
+    max_num_batched_tokens: int | None = None  # tokens per step (chunked prefill); None = vLLM's default
+    dtype: str = "auto"  # "auto" follows the checkpoint (vLLM downcasts float32 to bfloat16 on CPU)
+    seed: int = 0
+    # CPU builds only: OpenMP threads of the engine process, unbound. vLLM's default binds one thread per core;
+    # on a small shared machine a bound thread on a busy core stalls every parallel region (measured 5 tok/s
+    # vs 60 tok/s single-sequence decode on 2 cores). None keeps vLLM's automatic binding.
+    cpu_threads: int | None = 1
+    extra_engine_args: Mapping[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs verbatim
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillHandoff:
+    """A prompt prefilled for a remote decode: the first token and where its KV can be pulled from."""
+
+    first_token_id: int
+    first_logprob: float | None
+    kv_transfer_params: dict[str, Any]  # give verbatim to `decode_from_remote` on the decode engine
+    seed: int  # the sampling seed used; the decode engine must use the same one
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from this engine's prefix cache
+    prefill_s: float  # submit -> first token
+    finish_reason: (
+        str  # "length" (max_tokens=1) or "stop" (the first token is a stop token: nothing to decode)
+    )
+
+
+def request_seed(request_id: str) -> int:
+    """A stable sampling seed for a request (the prefill and decode engines must draw the first token alike)."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (or, for None, unset) environment variables for the duration of the block; restore them after."""
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _engine_env(config: VllmEngineConfig, is_cpu: bool) -> dict[str, str | None]:
+    env: dict[str, str | None] = {
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(config.nixl_port),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": config.nixl_host,
+        # Run the model inside the engine-core process (UniProcExecutor): on CPU builds vLLM otherwise adds a
+        # worker process behind a shared-memory queue, which starts slower and competes for the cores (a 16-token
+        # generation took 46 s that way vs 10 s in-process on the loaded 2-core machine, first request included).
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # The legacy variable would override `kv_cache_bytes` on CPU builds.
+        "VLLM_CPU_KVCACHE_SPACE": None,
+    }
+    if is_cpu and config.cpu_threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.cpu_threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    return env
+
+
+def _engine_args(config: VllmEngineConfig) -> Any:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kv_transfer = None
+    if config.kv_transfer:
+        kv_transfer = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_both",
+            engine_id=config.engine_id,
+            kv_load_failure_policy="fail",
+            kv_connector_extra_config={"kv_lease_duration": config.kv_lease_s},
+        )
+    return AsyncEngineArgs(
+        model=config.model_path,
+        skip_tokenizer_init=True,  # token ids in and out; the trainer owns the tokenizer
+        enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, to (re)start
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        dtype=config.dtype,
+        seed=config.seed,
+        # Stats reach our own logger only (no periodic log lines); see vllm_stats.
+        disable_log_stats=True,
+        kv_transfer_config=kv_transfer,
+        **dict(config.extra_engine_args),
+    )
+
+
+class VllmEngine:
+    """One `AsyncLLM` engine: start/stop/restart, token-level generation, prefill/decode across engines."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self.start_s: float | None = None  # how long the last start took
+        self.kv_capacity_tokens = 0  # known once started
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
+        self._stats = EngineStatsBox()
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._llm is not None
+
+    async def start(self) -> float:
+        """Build the engine (in a worker thread); return the seconds it took. Raises BackendError on failure."""
+        if self._llm is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            self._llm = await asyncio.to_thread(self._build)
+        except Exception as exc:
+            raise BackendError(f"vLLM engine {self.config.engine_id} failed to start: {exc}") from exc
+        cache = self._llm.vllm_config.cache_config
+        self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        build_s = time.perf_counter() - t0
+        try:
+            await self._warm_up()
+        except BaseException:
+            await self.stop()
+            raise
+        self.start_s = time.perf_counter() - t0
+        log.info(
+            "vLLM engine %s started in %.1f s (build %.1f s)", self.config.engine_id, self.start_s, build_s
+        )
+        return self.start_s
+
+    async def _warm_up(self) -> None:
+        # The first request down each sampling path (greedy, seeded, unseeded; with logprobs) pays a one-off
+        # cost (measured 5-10 s on a loaded 2-core CPU): pay it here so that `start()` returns an engine serving
+        # at full speed. The blocks are then dropped from the prefix cache and the counts from the stats, so the
+        # warm-up leaves no trace.
+        prompt = [(1 + 37 * i) % 1000 + 1 for i in range(_WARMUP_PROMPT_TOKENS)]
+        for temperature, seed in ((0.0, None), (1.0, 0), (1.0, None)):
+            async for _ in self.generate("__warmup__", prompt, 2, temperature=temperature, seed=seed):
+                pass
+        await self._engine().reset_prefix_cache()
+        self._stats.reset()
+
+    def _build(self) -> Any:
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = _engine_args(self.config)
+        with _ENV_LOCK, _environment(_engine_env(self.config, current_platform.is_cpu())):
+            return AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(self._stats)])
+
+    async def stop(self) -> None:
+        """Shut the engine down (its child process and NIXL side channel go with it). Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        # Stop the output handler first: left running, it sees the engine process die and logs it as a failure.
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+        # The engine process ignores SIGTERM while tearing down; vLLM kills it after 5 s.
+        await asyncio.to_thread(llm.shutdown)
+        self._stats.reset()
+        # `AsyncLLM.__del__` shuts down again; if the object lives until interpreter exit (a traceback kept by a
+        # test holds it), that second shutdown fails noisily on half-torn-down modules. Once is enough.
+        llm.shutdown = lambda timeout=None: None
+
+    async def restart(self, config: VllmEngineConfig | None = None) -> float:
+        """Stop, then start with `config` (default: the current one); return the start seconds."""
+        await self.stop()
+        if config is not None:
+            self.config = config
+        return await self.start()
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise BackendError(f"vLLM engine {self.config.engine_id} is not running")
+        return self._llm
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        logprobs: bool = True,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[EngineChunk]:
+        """Prefill locally and decode up to `max_tokens` tokens, streaming chunks (the last has finished=True)."""
+        params = self._sampling(
+            max_tokens, temperature, top_p, top_k, seed, logprobs, stop_token_ids, ignore_eos, None
+        )
+        return self._stream(request_id, prompt_token_ids, params)
+
+    async def prefill_for_remote_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        logprobs: bool = True,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> PrefillHandoff:
+        """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull.
+
+        Raises RequestAborted after `abort(request_id)`, BackendError when the engine fails the request."""
+        seed = request_seed(request_id) if seed is None else seed
+        params = self._sampling(
+            1,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            logprobs,
+            stop_token_ids,
+            ignore_eos,
+            {"do_remote_decode": True},
+        )
+        last: EngineChunk | None = None
+        async for chunk in self._stream(request_id, prompt_token_ids, params):
+            last = chunk
+        if last is None or last.finish_reason == "abort":
+            raise RequestAborted(f"prefill {request_id} aborted")
+        if last.finish_reason == "error" or not last.token_ids or last.kv_transfer_params is None:
+            raise BackendError(f"prefill {request_id} failed: finish_reason={last.finish_reason!r}")
+        return PrefillHandoff(
+            first_token_id=last.token_ids[0],
+            first_logprob=last.logprobs[0] if last.logprobs else None,
+            kv_transfer_params=last.kv_transfer_params,
+            seed=seed,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            prefill_s=last.ttft_s if last.ttft_s is not None else last.elapsed_s,
+            finish_reason=last.finish_reason,
+        )
+
+    async def decode_from_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        kv_transfer_params: Mapping[str, Any],
+        max_tokens: int,
+        *,
+        seed: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        logprobs: bool = True,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[EngineChunk]:
+        """Pull the prompt's KV from the prefill engine and decode; output starts with the first token again.
+
+        Pass the `seed` of the PrefillHandoff (default: derived from request_id as the prefill side does), the
+        same prompt and sampling. Raises KvUnavailable (before any chunk) when the KV cannot be pulled."""
+        seed = request_seed(request_id) if seed is None else seed
+        params = self._sampling(
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            logprobs,
+            stop_token_ids,
+            ignore_eos,
+            dict(kv_transfer_params),
+        )
+        first = True
+        async for chunk in self._stream(request_id, prompt_token_ids, params):
+            if first and chunk.finish_reason == "error" and not chunk.token_ids:
+                raise KvUnavailable(
+                    f"decode {request_id}: KV pull from {kv_transfer_params.get('remote_engine_id')} failed"
+                )
+            first = False
+            yield chunk
+
+    async def release_remote_prefill(self, request_id: str, kv_transfer_params: Mapping[str, Any]) -> None:
+        """Tell the prefill engine named in `kv_transfer_params` to free a handoff this engine will not decode."""
+        await self._engine().notify_kv_transfer_request_rejected(request_id, dict(kv_transfer_params))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    # -- weights and stats ---------------------------------------------------------------------------------------
+
+    async def reload_weights(self, weights_path: str | None = None) -> None:
+        """Load new weights in place (same architecture) from `weights_path`, or again from the model path.
+
+        In-flight requests are frozen meanwhile and continue on the new weights (their KV stays); the prefix cache
+        is then dropped so no new request reuses KV computed with the old weights."""
+        llm = self._engine()
+        kwargs = {"weights_path": weights_path} if weights_path else {}
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await llm.collective_rpc("reload_weights", kwargs=kwargs)
+        finally:
+            await llm.resume_generation()
+        if not await llm.reset_prefix_cache():
+            log.warning("engine %s: prefix cache not reset (blocks in use)", self.config.engine_id)
+
+    def stats(self) -> VllmEngineStats:
+        """Load as of the engine's last step (running/waiting are zero once no request is unfinished)."""
+        unfinished = self._llm.get_num_unfinished_requests() if self._llm is not None else 0
+        return self._stats.snapshot(
+            unfinished, self.kv_capacity_tokens, self.config.max_num_seqs, self.start_s
+        )
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _sampling(
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None,
+        logprobs: bool,
+        stop_token_ids: list[int] | None,
+        ignore_eos: bool,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=0 if logprobs else None,  # 0: only the sampled token's logprob
+            stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
+
+    async def _stream(
+        self, request_id: str, prompt_token_ids: list[int], params: Any
+    ) -> AsyncIterator[EngineChunk]:
+        from vllm import TokensPrompt
+
+        llm = self._engine()
+        t0 = time.perf_counter()
+        state = StreamState(request_id, len(prompt_token_ids))
+        outputs = llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
+        try:
+            # aclosing: a consumer that stops early closes vLLM's generator, which aborts the request.
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    chunk = state.chunk(out, time.perf_counter() - t0)
+                    yield chunk
+                    if chunk.finished:
+                        return
+            # vLLM ends a stream aborted from outside without a final output: give the consumer one.
+            yield state.final("abort", time.perf_counter() - t0)
+        except Exception as exc:
+            if isinstance(exc, BackendError):
+                raise
+            raise BackendError(
+                f"request {request_id} failed in engine {self.config.engine_id}: {exc!r}"
+            ) from exc

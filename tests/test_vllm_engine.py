@@ -1,0 +1,136 @@
+"""The vLLM backend's pure parts, without vLLM: seeds, environment handling, output conversion, stats, and the
+protocol paths that never reach the engine (nothing left to generate, an expired KV lease)."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
+from services.engine_agent.backend import Backend, KvUnavailable
+from services.engine_agent.backends.vllm_backend import VllmBackend
+from services.engine_agent.backends.vllm_chunks import StreamState
+from services.engine_agent.backends.vllm_engine import (
+    VllmEngineConfig,
+    _engine_env,
+    _environment,
+    request_seed,
+)
+from services.engine_agent.backends.vllm_stats import EngineStatsBox
+
+CONFIG = VllmEngineConfig(model_path="/nonexistent", engine_id="e1", nixl_port=5601, max_model_len=100)
+
+
+def _request(prompt_len: int, max_tokens: int, resume: list[int] | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="t:0",
+        traj_id="t",
+        turn=0,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        prompt_len=prompt_len,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        reply_to="r",
+        resume_token_ids=resume or [],
+    )
+
+
+def test_request_seed_is_stable_distinct_and_fits_int63() -> None:
+    assert request_seed("a:1") == request_seed("a:1")
+    assert request_seed("a:1") != request_seed("a:2")
+    assert all(0 <= request_seed(f"r{i}") < 2**63 for i in range(100))
+
+
+def test_environment_sets_unsets_and_restores() -> None:
+    os.environ["PRORSA_T_KEEP"] = "old"
+    os.environ.pop("PRORSA_T_NEW", None)
+    with _environment({"PRORSA_T_KEEP": None, "PRORSA_T_NEW": "1"}):
+        assert "PRORSA_T_KEEP" not in os.environ
+        assert os.environ["PRORSA_T_NEW"] == "1"
+    assert os.environ.pop("PRORSA_T_KEEP") == "old"
+    assert "PRORSA_T_NEW" not in os.environ
+
+
+@pytest.mark.parametrize(("is_cpu", "threads", "omp"), [(True, 1, "1"), (True, None, None), (False, 1, None)])
+def test_engine_env(is_cpu: bool, threads: int | None, omp: str | None) -> None:
+    env = _engine_env(
+        VllmEngineConfig(model_path="m", engine_id="e", nixl_port=5777, cpu_threads=threads), is_cpu
+    )
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5777"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] is None  # kv_cache_bytes wins over the legacy variable
+    assert env.get("OMP_NUM_THREADS") == omp
+
+
+def _output(tokens: list[int], *, finished: bool = False, cached: int | None = 0, kv: dict | None = None):
+    logprobs = [{t: SimpleNamespace(logprob=-0.5 * (i + 1))} for i, t in enumerate(tokens)]
+    completion = SimpleNamespace(
+        token_ids=tokens, logprobs=logprobs, finish_reason="length" if finished else None
+    )
+    return SimpleNamespace(
+        outputs=[completion], finished=finished, num_cached_tokens=cached, kv_transfer_params=kv
+    )
+
+
+def test_stream_state_turns_outputs_into_chunks() -> None:
+    state = StreamState("r1", num_prompt_tokens=300)
+    first = state.chunk(_output([5], cached=256), elapsed_s=0.2)
+    assert (first.token_ids, first.logprobs, first.ttft_s, first.num_cached_tokens) == ([5], [-0.5], 0.2, 256)
+    assert not first.finished and first.finish_reason == "" and first.kv_transfer_params is None
+    kv = {"remote_block_ids": ((1, 2),), "remote_engine_id": "a"}
+    last = state.chunk(_output([6, 7], finished=True, cached=None, kv=kv), elapsed_s=0.5)
+    assert last.logprobs == [-0.5, -1.0] and last.num_output_tokens == 3 and last.ttft_s == 0.2
+    assert last.finished and last.finish_reason == "length" and last.num_cached_tokens == 256
+    assert last.kv_transfer_params == {"remote_block_ids": [[1, 2]], "remote_engine_id": "a"}
+    aborted = state.final("abort", elapsed_s=0.6)
+    assert aborted.finished and aborted.finish_reason == "abort" and aborted.token_ids == []
+
+
+def test_stats_box_accumulates_and_reports_idle_as_zero() -> None:
+    box = EngineStatsBox()
+    sched = SimpleNamespace(
+        num_running_reqs=3,
+        num_waiting_reqs=1,
+        num_skipped_waiting_reqs=1,
+        kv_cache_usage=0.25,
+        prefix_cache_stats=SimpleNamespace(queries=300, hits=256),
+        connector_prefix_cache_stats=SimpleNamespace(hits=128),
+    )
+    it = SimpleNamespace(num_prompt_tokens=44, num_generation_tokens=3, num_preempted_reqs=0)
+    box.record(sched, it)
+    box.record(sched, None)
+    busy = box.snapshot(unfinished=5, kv_capacity_tokens=1000, max_batch=8, start_s=20.0)
+    assert (busy.running, busy.waiting, busy.kv_usage) == (3, 2, 0.25)
+    assert (busy.prefix_query_tokens, busy.prefix_hit_tokens, busy.kv_pulled_tokens) == (600, 512, 256)
+    assert (busy.prompt_tokens, busy.generation_tokens) == (44, 3)
+    idle = box.snapshot(unfinished=0, kv_capacity_tokens=1000, max_batch=8, start_s=20.0)
+    assert (idle.running, idle.waiting) == (0, 0)
+
+
+def test_vllm_backend_satisfies_the_protocol_and_caps_output_by_model_length() -> None:
+    backend = VllmBackend(CONFIG)
+    assert isinstance(backend, Backend)
+    assert backend.expected_output_tokens(_request(90, 50)) == 10
+    assert backend.expected_output_tokens(_request(10, 50)) == 50
+
+
+async def test_generate_with_nothing_left_finishes_without_the_engine() -> None:
+    backend = VllmBackend(CONFIG)  # never started: reaching the engine would raise
+    chunks = [c async for c in backend.generate(_request(100, 50))]
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].finish_reason == "length"
+
+
+async def test_decode_refuses_a_handoff_past_the_kv_lease() -> None:
+    backend = VllmBackend(CONFIG)
+    stale = DecodeHandoff(
+        request=_request(10, 20),
+        prefill_engine="p",
+        first_token_id=3,
+        kv_transfer_params={"remote_engine_id": "p"},
+        handed_off_s=time.time() - CONFIG.kv_lease_s,
+    )
+    with pytest.raises(KvUnavailable):
+        async for _ in backend.decode(stale):
+            pass
