@@ -107,5 +107,14 @@ def test_cli_builds_a_sim_engine_without_importing_vllm() -> None:
     backend = cli.make_backend(args, "cli-e")
     assert isinstance(backend, SimBackend)
     assert (backend.speedup, backend.max_model_len, backend.sched.role) == (4.0, 8192, "decode")
-    assert "vllm" not in sys.modules
     proto.check_token(cli.default_engine_id())
+    # In a fresh interpreter (other tests in this process may have imported vllm for real):
+    probe = (
+        "import sys, argparse\n"
+        "from services.engine_agent import __main__ as cli\n"
+        "p = argparse.ArgumentParser(); cli.extend(p)\n"
+        "cli.make_backend(p.parse_args(['--profile', 'cpu-tiny']), 'cli-e')\n"
+        "print('vllm' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
