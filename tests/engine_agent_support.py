@@ -15,9 +15,9 @@ from services.engine_agent.agent import AgentConfig, EngineAgent
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, context_tokens, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.engine_agent.model_profiles import load_profile
-from services.engine_agent.perf_model import ModelProfile
 from services.runtime import clock
+from services.runtime.model_profiles import load_profile
+from services.runtime.perf_model import ModelProfile
 
 PROFILE = load_profile("qwen3-235b")
 

@@ -15,7 +15,7 @@ from services.allocator.policies.common import Split, initial_roles, moves_for_s
 from services.allocator.policies.dynamo import DynamoPolicy, fit_budget
 from services.allocator.policies.load_predictors import ArimaPredictor, ConstantPredictor
 from services.allocator.policy import ClusterView, EngineView, Plan, PolicyError, make_policy, policy_names
-from services.engine_agent.model_profiles import BUILTIN_PROFILES
+from services.runtime.model_profiles import BUILTIN_PROFILES
 
 PROFILE = resolve_profile(None)
 CAP = CapacityModel(PROFILE)

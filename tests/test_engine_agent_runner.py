@@ -12,8 +12,8 @@ import pytest
 
 from proto import DecodeHandoff, GenerateRequest, Message, RequestFinished, Subjects, TokenChunk
 from services.engine_agent.backends.sim_backend import SimBackend
-from services.engine_agent.model_profiles import load_profile
 from services.engine_agent.runner import JobRunner
+from services.runtime.model_profiles import load_profile
 from tests.engine_agent_support import expected_ids, request, wait_until
 
 

@@ -9,13 +9,13 @@ import msgspec
 import pytest
 
 from proto import DecodeHandoff, GenerateRequest, SamplingParams
-from services.engine_agent import perf_model as pm
 from services.engine_agent.backend import Backend, KvUnavailable
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.engine_agent.model_profiles import load_profile
 from services.runtime import clock
+from services.runtime import perf_model as pm
+from services.runtime.model_profiles import load_profile
 
 P = load_profile("qwen3-235b")
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine_agent import perf_model as pm
-from services.engine_agent.model_profiles import (
+from services.runtime import perf_model as pm
+from services.runtime.model_profiles import (
     BUILTIN_PROFILES,
     load_profile,
     profile_from_json,
@@ -205,8 +205,8 @@ def test_unknown_profile_name(tmp_path):
 @pytest.mark.parametrize(
     "path",
     [
-        "services/engine_agent/perf_model.py",
-        "services/engine_agent/model_profiles.py",
+        "services/runtime/perf_model.py",
+        "services/runtime/model_profiles.py",
         "services/engine_agent/prefix_cache.py",
         "services/allocator/policy.py",
     ],

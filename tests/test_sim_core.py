@@ -14,7 +14,7 @@ from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.sim.runner import SimResult
 from prorsa.workload.types import TrajectorySpec, Turn
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan
-from services.engine_agent.model_profiles import load_profile
+from services.runtime.model_profiles import load_profile
 
 
 def _multi_turn(n: int = 24, turns: int = 4, group_size: int = 1) -> list[TrajectorySpec]:

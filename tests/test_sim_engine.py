@@ -8,8 +8,8 @@ from prorsa.sim import SimConfig, run_simulation
 from prorsa.sim import events as ev
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.workload.types import TrajectorySpec, Turn
-from services.engine_agent import perf_model as pm
-from services.engine_agent.model_profiles import BUILTIN_PROFILES
+from services.runtime import perf_model as pm
+from services.runtime.model_profiles import BUILTIN_PROFILES
 
 
 class _Recorder:

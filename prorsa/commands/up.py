@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import time
+from collections.abc import Callable
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
 
@@ -20,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=None, help="sim backend: virtual seconds per wall second")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: discard)")
     p.add_argument("--for", dest="for_s", type=float, default=None, help="stop after this many seconds")
+    p.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=None,
+        help="how long to wait for every service to report healthy (default: 60 s; 600 s with --backend vllm)",
+    )
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
@@ -31,13 +38,25 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-async def wait_healthy(url: str, namespace: str, expected: list[str], timeout_s: float) -> list:
-    """Poll health until every expected service answers ok (or time runs out); returns the last replies."""
+# A real engine loads its model and warms up before it reports ok: ~30-90 s per vLLM engine on a small CPU machine
+# (engines start in parallel and share its cores), so the default wait is much longer than for simulated engines.
+DEFAULT_START_TIMEOUT_S = {"sim": 60.0, "vllm": 600.0}
+
+
+async def wait_healthy(
+    url: str,
+    namespace: str,
+    expected: list[str],
+    timeout_s: float,
+    give_up: Callable[[], bool] = lambda: False,
+) -> list:
+    """Poll health until every expected service answers ok, time runs out or `give_up()` (a child died, Ctrl-C);
+    returns the last replies."""
     from prorsa.health import gather_health
 
     deadline = time.monotonic() + timeout_s
     replies: list = []
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not give_up():
         replies = await gather_health(url, namespace, wait_s=0.5)
         have = sorted(r.service for r in replies if r.status == "ok")
         if have == sorted(expected):
@@ -49,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from prorsa.health import format_health
     from prorsa.system import System, SystemConfig
 
+    if args.backend == "vllm" and args.engines and not args.model:
+        print("prorsa up: --backend vllm needs --model PATH (a local model directory)")
+        return 2
     namespace = namespace_from_env(args.namespace)
     system = System(
         SystemConfig(
@@ -72,7 +94,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(f"nats: {system.url}", flush=True)
         expected = system.expected_services()
-        replies = asyncio.run(wait_healthy(system.url, namespace, expected, timeout_s=60.0))
+        timeout_s = args.start_timeout_s or DEFAULT_START_TIMEOUT_S[args.backend]
+        if args.backend == "vllm":
+            print(f"engines: loading vLLM engines (waiting up to {timeout_s:.0f} s)", flush=True)
+        replies = asyncio.run(
+            wait_healthy(
+                system.url,
+                namespace,
+                expected,
+                timeout_s,
+                give_up=lambda: stop["now"] or bool(system.dead_children()),
+            )
+        )
         print(format_health(replies), flush=True)
         healthy = sum(1 for r in replies if r.status == "ok")
         print(f"up: {healthy}/{len(expected)} services healthy; Ctrl-C stops", flush=True)

@@ -19,7 +19,7 @@ from prorsa.sim.router import Router
 from prorsa.sim.state import Request, Traj
 from prorsa.sim.views import ViewBuilder
 from services.allocator.policy import AllocatorPolicy, ClusterView
-from services.engine_agent.perf_model import ModelProfile
+from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
     from prorsa.sim.runner import SimConfig

@@ -84,6 +84,7 @@ class Driver:
             version=self.version,  # set again when turn 0 is submitted
             key=f"{step}:{spec.traj_id}:{attempt}",
             group_key=group_key,
+            group_tokens=spec.turns[0].new_prompt_tokens if group_key else 0,
             context_tokens=spec.turns[0].new_prompt_tokens,
         )
         self.live_trajs[id(traj)] = traj
@@ -136,18 +137,20 @@ class Driver:
     def on_turn_done(self, req: Request, now: float) -> None:
         traj = req.traj
         turns = traj.spec.turns
-        turn = turns[traj.turn]
+        k = traj.turn
+        turn = turns[k]
         traj.request = None
         traj.decoded_tokens += req.output_tokens  # a migrated request carries only what was left to decode
-        self.sim.metrics.turns_finished += 1
-        self.sim.metrics.finished_output_tokens += turn.output_tokens
-        if traj.turn + 1 == len(turns):
+        metrics = self.sim.metrics
+        metrics.turns_finished += 1
+        metrics.finished_output_tokens += turn.output_tokens
+        if k + 1 == len(turns):
             self._trajectory_done(traj, now)
             return
-        traj.context_tokens += turn.output_tokens + turns[traj.turn + 1].new_prompt_tokens
-        traj.turn += 1
+        traj.context_tokens += turn.output_tokens + turns[k + 1].new_prompt_tokens
+        traj.turn = k + 1
         if self.sim.observer is not None:
-            self.sim.emit(ev.TOOL_CALL_START, traj, now, turn=traj.turn - 1, latency_s=turn.tool_latency_s)
+            self.sim.emit(ev.TOOL_CALL_START, traj, now, turn=k, latency_s=turn.tool_latency_s)
         self.sim.queue.push(now + turn.tool_latency_s, ev.ARRIVAL, traj, traj.attempt)
 
     def _trajectory_done(self, traj: Traj, now: float) -> None:

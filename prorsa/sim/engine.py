@@ -33,14 +33,16 @@ from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
 from prorsa.sim.state import Request
-from services.engine_agent import perf_model as pm
-from services.engine_agent.perf_model import ModelProfile
+from prorsa.sim.stepcost import DecodeCost
 from services.engine_agent.prefix_cache import PrefixCache
+from services.runtime import perf_model as pm
+from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
 
 ACTIVE, DRAINING, RECONFIG = 0, 1, 2
+ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3
 
 
@@ -52,8 +54,12 @@ class SimEngine:
         self.p = profile
         self.role = role
         self.sim = sim
+        self.router = sim.router
         self.metrics = sim.metrics
+        self._busy_s = sim.metrics.busy_s  # role → busy seconds, added to at the end of every activity
         self._push = sim.queue.push
+        self._observed = sim.observer is not None
+        self._step_s = DecodeCost(profile).step_s  # decode step time (the perf model's, precomputed per batch)
         self.state = ACTIVE
         self.target_role = ""
         self.cache = PrefixCache(profile.kv_capacity_tokens)
@@ -61,6 +67,7 @@ class SimEngine:
         self.queue: deque[Request] = deque()
         self.queued_tokens = 0  # Σ est_tokens of `queue`
         self.active: list[Request] = []
+        self._active_left = 0  # Σ (to_compute - computed) of `active`: prefill tokens still to compute
         # Decode side: batch, finish heap (target_step, rid), step counter and context bookkeeping.
         self.seqs: dict[int, Request] = {}
         self._finish_heap: list[tuple[int, int]] = []
@@ -93,8 +100,7 @@ class SimEngine:
 
     def prefill_load_s(self) -> float:
         """Estimated seconds of prefill work ahead of a new prompt (+ a batch-fullness term for mixed)."""
-        pending = self.queued_tokens + sum(r.to_compute_tokens - r.computed_tokens for r in self.active)
-        load = pending / self.p.prefill_tokens_per_s
+        load = (self.queued_tokens + self._active_left) / self.p.prefill_tokens_per_s
         if self.role == "mixed":
             load += len(self.seqs) / self.p.max_batch
         return load
@@ -112,8 +118,7 @@ class SimEngine:
 
     def tokens_in_flight(self) -> int:
         decode_left = self._target_sum - len(self.seqs) * self.steps_done
-        prefill_left = self.queued_tokens + sum(r.to_compute_tokens - r.computed_tokens for r in self.active)
-        return decode_left + prefill_left
+        return decode_left + self.queued_tokens + self._active_left
 
     # -- work in ------------------------------------------------------------------------------------------------
 
@@ -133,7 +138,7 @@ class SimEngine:
         self._reserve(req.kv_tokens)
         self.incoming += 1
         self.metrics.handoffs += 1
-        self._push(now + pm.kv_transfer_time_s(self.p, req.context_tokens), ev.HANDOFF_ARRIVE, self, req)
+        self._push(now + pm.kv_transfer_time_s(self.p, req.context_tokens), HANDOFF_ARRIVE, self, req)
 
     def on_handoff_arrive(self, req: Request, now: float) -> None:
         self.incoming -= 1
@@ -141,7 +146,7 @@ class SimEngine:
             self._reserve(-req.kv_tokens)
             req.engine = None
             if not req.cancelled:  # draining: forward the KV to another decode engine
-                self.sim.router.handoff(req, now)
+                self.router.handoff(req, now)
             self._poke(now)
             return
         self.arrivals.append(req)
@@ -168,7 +173,7 @@ class SimEngine:
         """Apply the effects of the activity that ends at `now`."""
         kind, t0 = self.activity, self._t_start
         self.activity = IDLE
-        self.metrics.on_busy(self.role, t0, now)
+        self._busy_s[self.role] += now - t0  # Metrics.on_busy, inlined: once per activity
         if kind == JUMP:
             self._apply_decode_steps(self._jump_steps, t0, now)
         elif kind == MIXED_STEP:
@@ -183,31 +188,39 @@ class SimEngine:
         if self._drop_pending:
             self._drop_pending = False
             self.drop_cancelled()
-        for req in self.arrivals:
-            if req.cancelled:
-                self._reserve(-req.kv_tokens)
-                req.engine = None
-            else:
-                self._join_batch(req, now)
-        self.arrivals.clear()
+        if self.arrivals:
+            for req in self.arrivals:
+                if req.cancelled:
+                    self._reserve(-req.kv_tokens)
+                    req.engine = None
+                else:
+                    self._join_batch(req, now)
+            self.arrivals.clear()
+        router = self.router
         if self.state == DRAINING:
             self._migrate_long_decodes(now)
-        elif self.role == "decode" or (self.role == "mixed" and self.sim.router.mixed_takes_handoffs):
-            self.sim.router.pull_handoffs(self, now)
+        elif router.handoffs and (
+            self.role == "decode" or (self.role == "mixed" and router.mixed_takes_handoffs)
+        ):
+            router.pull_handoffs(self, now)
         self._plan(now)
         if self.state == DRAINING and self.activity == IDLE and self._drained():
             self._start_reconfig(now)
 
     def _plan(self, now: float) -> None:
-        if self.role == "prefill":
-            self._chunks = self._take_chunks(self.p.prefill_batch_tokens, self.p.prefill_batch_tokens, now)
-            if self._chunks:
-                dur = self.p.prefill_overhead_s + sum(
-                    pm.prefill_compute_s(self.p, n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks
-                )
-                self._schedule(PREFILL_STEP, now, dur)
+        role = self.role
+        if role == "prefill":
+            if not (self.active or self.queue):
+                return
+            p = self.p
+            self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
+            if chunks:
+                compute_s = 0  # summed from 0 in chunk order, as `sum()` would
+                for r, n in chunks:
+                    compute_s += pm.prefill_compute_s(p, n, r.hit_tokens + r.computed_tokens)
+                self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
             return
-        if self.role == "mixed":
+        if role == "mixed":
             per_request = self.p.mixed_chunk_tokens
             self._chunks = self._take_chunks(per_request * self.p.dp_ranks, per_request, now)
             if self._chunks:
@@ -219,8 +232,8 @@ class SimEngine:
     def _schedule(self, kind: int, now: float, duration_s: float) -> None:
         self.activity = kind
         self._t_start = now
-        self._token += 1
-        self._push(now + duration_s, ev.ENGINE_WAKE, self, self._token)
+        self._token = token = self._token + 1
+        self._push(now + duration_s, ENGINE_WAKE, self, token)
 
     # -- prefill ----------------------------------------------------------------------------------------------------
 
@@ -260,6 +273,7 @@ class SimEngine:
         req.to_compute_tokens = req.context_tokens - req.hit_tokens
         req.computed_tokens = 0
         self.active.append(req)
+        self._active_left += req.to_compute_tokens
         if self.role == "mixed":
             req.engine = self
             req.kv_tokens = req.context_tokens + req.output_tokens
@@ -289,8 +303,10 @@ class SimEngine:
         computed = recomputed = wasted = 0
         for req, n in self._chunks:
             req.computed_tokens += n
+            self._active_left -= n
             if req.cancelled:
                 wasted += n
+                self._active_left -= req.to_compute_tokens - req.computed_tokens
                 self.active.remove(req)
                 if req.engine is self:
                     self._reserve(-req.kv_tokens)
@@ -311,13 +327,14 @@ class SimEngine:
         t = req.traj
         self.cache.insert(t.key, req.context_tokens, now, t.group_key, t.group_tokens)
         t.last_engine = self
-        self.sim.on_prefill_done(req, self, now)
+        if self._observed:
+            self.sim.on_prefill_done(req, self, now)
         if self.role == "prefill":
-            self.sim.router.handoff(req, now)
-        elif self.state == DRAINING and self.sim.router.has_decode_engines():
+            self.router.handoff(req, now)
+        elif self.state == DRAINING and self.router.has_decode_engines():
             self._reserve(-req.kv_tokens)  # leaving: send the KV to a decode engine instead
             req.engine = None
-            self.sim.router.handoff(req, now)
+            self.router.handoff(req, now)
         else:
             self._join_batch(req, now)
 
@@ -330,7 +347,8 @@ class SimEngine:
         heapq.heappush(self._finish_heap, (req.target_step, req.rid))
         self._ctx_base += req.context_tokens - req.start_step
         self._target_sum += req.target_step
-        self.sim.on_decode_started(req, self, now)
+        if self._observed:
+            self.sim.on_decode_started(req, self, now)
 
     def _leave_batch(self, req: Request) -> None:
         del self.seqs[req.rid]
@@ -340,16 +358,25 @@ class SimEngine:
         req.engine = None
 
     def _plan_jump(self, now: float) -> None:
-        heap = self._finish_heap
-        while heap[0][1] not in self.seqs or self.seqs[heap[0][1]].target_step != heap[0][0]:
+        heap, seqs = self._finish_heap, self.seqs
+        while True:
+            target, rid = heap[0]
+            req = seqs.get(rid)
+            if req is not None and req.target_step == target:
+                break
             heapq.heappop(heap)  # stale entry of a migrated or cancelled sequence
-        m = heap[0][0] - self.steps_done
-        batch = len(self.seqs)
+        m = target - self.steps_done
+        batch = len(seqs)
         ctx0 = self._ctx_base + batch * self.steps_done
-        a = pm.decode_step_time_s(self.p, batch, ctx0)
-        b = (pm.decode_step_time_s(self.p, batch, ctx0 + (m - 1) * batch) - a) / (m - 1) if m > 1 else 0.0
+        step_s = self._step_s
+        a = step_s(batch, ctx0)
+        b = (step_s(batch, ctx0 + (m - 1) * batch) - a) / (m - 1) if m > 1 else 0.0
         self._jump_steps, self._jump_a, self._jump_b = m, a, b
-        self._schedule(JUMP, now, m * a + b * m * (m - 1) / 2)
+        # _schedule(JUMP, ...), inlined: the most frequent activity.
+        self.activity = JUMP
+        self._t_start = now
+        self._token = token = self._token + 1
+        self._push(now + (m * a + b * m * (m - 1) / 2), ENGINE_WAKE, self, token)
 
     def _jump_elapsed_s(self, k: int) -> float:
         return k * self._jump_a + self._jump_b * k * (k - 1) / 2
@@ -357,38 +384,40 @@ class SimEngine:
     def _interrupt(self, now: float) -> None:
         """End the current jump at the first step boundary at or after `now`."""
         dt = now - self._t_start
-        a, b = self._jump_a, self._jump_b
+        a, b, steps = self._jump_a, self._jump_b, self._jump_steps
         if b > 0:
             k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * dt)) / b)
         else:
-            k = int(dt / a) if a > 0 else self._jump_steps
+            k = int(dt / a) if a > 0 else steps
         k = max(0, k - 1)
-        while k < self._jump_steps and self._jump_elapsed_s(k) < dt:
-            k += 1  # first boundary at or after now
-        if k >= self._jump_steps:
+        # First boundary at or after now (the elapsed time is `_jump_elapsed_s(k)`, inlined).
+        while k < steps and k * a + b * k * (k - 1) / 2 < dt:
+            k += 1
+        if k >= steps:
             return  # the planned wake-up is that boundary
         self._jump_steps = k
         self._token += 1
-        end = self._t_start + self._jump_elapsed_s(k)
+        end = self._t_start + (k * a + b * k * (k - 1) / 2)
         if k == 0 or end <= now:
             self._complete(now)
             self._boundary(now)
             return
-        self._push(end, ev.ENGINE_WAKE, self, self._token)
+        self._push(end, ENGINE_WAKE, self, self._token)
 
     def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
         if m <= 0:
             return
-        batch = len(self.seqs)
-        self.steps_done += m
-        self.decode_tokens_done += batch * m
-        self.metrics.on_decoded(t0, now, batch * m)
-        if self.sim.observer is not None:
+        seqs = self.seqs
+        tokens = len(seqs) * m
+        self.steps_done = steps = self.steps_done + m
+        self.decode_tokens_done += tokens
+        self.metrics.on_decoded(t0, now, tokens)
+        if self._observed:
             self.sim.emit_decode_progress(self, now)
         heap = self._finish_heap
-        while heap and heap[0][0] <= self.steps_done:
+        while heap and heap[0][0] <= steps:
             target, rid = heapq.heappop(heap)
-            req = self.seqs.get(rid)
+            req = seqs.get(rid)
             if req is None or req.target_step != target:
                 continue
             self._leave_batch(req)
@@ -423,26 +452,26 @@ class SimEngine:
         if role == self.role:
             if self.state == DRAINING:  # switch cancelled before it happened
                 self.state, self.target_role = ACTIVE, ""
-                self.sim.router.engine_available(self, now)
+                self.router.engine_available(self, now)
                 self._poke(now)
             return
         first = self.state == ACTIVE
         self.state, self.target_role = DRAINING, role
         if first:
-            self.sim.router.engine_leaving(self, now)
+            self.router.engine_leaving(self, now)
             requeue = list(self.queue)
             self.queue.clear()
             self.queued_tokens = 0
             for req in requeue:
                 if not req.cancelled:
-                    self.sim.router.route_prefill(req, now)
+                    self.router.route_prefill(req, now)
         self._poke(now)
 
     def _migrate_long_decodes(self, now: float) -> None:
         if not self.seqs:
             return
         batch = len(self.seqs)
-        step_s = pm.decode_step_time_s(self.p, batch, self._ctx_base + batch * self.steps_done)
+        step_s = self._step_s(batch, self._ctx_base + batch * self.steps_done)
         bound = self.sim.config.drain_bound_s
         for req in [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]:
             decoded = self.decoded_so_far(req)
@@ -466,7 +495,7 @@ class SimEngine:
         self.role, self.target_role, self.state = self.target_role, "", ACTIVE
         self.cache.clear()
         self.cache.resize(self.p.kv_capacity_tokens)
-        self.sim.router.engine_available(self, now)
+        self.router.engine_available(self, now)
         self._poke(now)
 
     # -- helpers ------------------------------------------------------------------------------------------------------

@@ -58,32 +58,20 @@ class Windows:
     window_s: float
     series: dict[str, list[float]] = field(default_factory=dict)
 
-    def _row(self, name: str, index: int) -> list[float]:
-        row = self.series.setdefault(name, [])
-        if len(row) <= index:
-            row.extend([0.0] * (index + 1 - len(row)))
-        return row
+    def row(self, name: str) -> list[float]:
+        """The series' list of window sums (created empty; the same list for the whole run, grown in place)."""
+        return self.series.setdefault(name, [])
 
     def add_at(self, name: str, t: float, amount: float) -> None:
         index = int(t / self.window_s)
-        self._row(name, index)[index] += amount
+        row = self.row(name)
+        if len(row) <= index:
+            row.extend([0.0] * (index + 1 - len(row)))
+        row[index] += amount
 
     def add_span(self, name: str, t0: float, t1: float, amount: float) -> None:
         """Spread `amount` uniformly over [t0, t1] across the windows it overlaps."""
-        if t1 <= t0:
-            self.add_at(name, t0, amount)
-            return
-        w = self.window_s
-        first, last = int(t0 / w), int(t1 / w)
-        if first == last:
-            self._row(name, first)[first] += amount
-            return
-        row = self._row(name, last)
-        rate = amount / (t1 - t0)
-        for i in range(first, last + 1):
-            lo, hi = max(t0, i * w), min(t1, (i + 1) * w)
-            if hi > lo:
-                row[i] += rate * (hi - lo)
+        spread(self.row(name), self.window_s, t0, t1, amount)
 
     def length(self) -> int:
         return max((len(r) for r in self.series.values()), default=0)
@@ -91,6 +79,27 @@ class Windows:
     def get(self, name: str, n: int) -> list[float]:
         row = self.series.get(name, [])
         return row[:n] + [0.0] * max(0, n - len(row))
+
+
+def spread(row: list[float], window_s: float, t0: float, t1: float, amount: float) -> None:
+    """Add `amount` to `row` (windows of `window_s`) spread uniformly over [t0, t1]; all at t0 if t1 <= t0.
+
+    Called for every engine step, so the common case (the span inside one window) is a few operations.
+    """
+    if t1 <= t0:
+        last = first = int(t0 / window_s)
+    else:
+        first, last = int(t0 / window_s), int(t1 / window_s)
+    if len(row) <= last:
+        row.extend([0.0] * (last + 1 - len(row)))
+    if first == last:
+        row[first] += amount
+        return
+    rate = amount / (t1 - t0)
+    for i in range(first, last + 1):
+        lo, hi = max(t0, i * window_s), min(t1, (i + 1) * window_s)
+        if hi > lo:
+            row[i] += rate * (hi - lo)
 
 
 class Metrics:
@@ -125,6 +134,11 @@ class Metrics:
         self.busy_s: dict[str, float] = dict.fromkeys(ROLE_NAMES, 0.0)
         self._role_count: dict[str, int] = dict.fromkeys((*ROLE_NAMES, SWITCHING), 0)
         self._role_since = 0.0
+        # The per-step series, held directly (they are touched on every engine step and turn).
+        self._window_s = window_s
+        self._demand_row = self.windows.row("prefill_demand")
+        self._computed_row = self.windows.row("prefill_computed")
+        self._decode_row = self.windows.row("decode_tokens")
 
     # -- engine roles -----------------------------------------------------------------------------------------
 
@@ -153,7 +167,10 @@ class Metrics:
     def on_turn_submitted(self, now: float, new_tokens: int) -> None:
         self.turns_submitted += 1
         self.new_prompt_tokens += new_tokens
-        self.windows.add_at("prefill_demand", now, new_tokens)
+        row, index = self._demand_row, int(now / self._window_s)
+        if len(row) <= index:
+            row.extend([0.0] * (index + 1 - len(row)))
+        row[index] += new_tokens
 
     def on_prefill_started(self, context_tokens: int, hit_tokens: int, migrated: bool) -> None:
         if migrated:
@@ -168,11 +185,11 @@ class Metrics:
         self.prefill_computed_tokens += computed
         self.migration_recompute_tokens += recomputed
         self.wasted_prefill_tokens += wasted
-        self.windows.add_span("prefill_computed", t0, t1, computed + recomputed + wasted)
+        spread(self._computed_row, self._window_s, t0, t1, computed + recomputed + wasted)
 
     def on_decoded(self, t0: float, t1: float, tokens: int) -> None:
         self.decoded_tokens += tokens
-        self.windows.add_span("decode_tokens", t0, t1, tokens)
+        spread(self._decode_row, self._window_s, t0, t1, tokens)
 
     def finish(self, now: float) -> None:
         """Close the role accounting at the end of the run."""

@@ -136,15 +136,20 @@ class Router:
             engine.accept_handoff(req, now)
 
     def _decode_engine_for(self, req: Request) -> SimEngine | None:
-        pool = self._decode_targets()
+        pool = self.decode_pool or self.mixed_pool
         if not pool:
             return None
         kv = req.context_tokens + req.output_tokens
-        if len(pool) > _SCAN_LIMIT:
-            a = pool[int(self._uniform() * len(pool))]
-            b = pool[int(self._uniform() * len(pool))]
-            best = a if a.decode_load() <= b.decode_load() else b
-            if best.has_decode_room(kv):
+        n = len(pool)
+        if n > _SCAN_LIMIT:
+            # Two random picks; `decode_load` and `has_decode_room` inlined (once per handoff).
+            a = pool[int(self._uniform() * n)]
+            b = pool[int(self._uniform() * n)]
+            load_a = len(a.seqs) + len(a.arrivals) + a.incoming + len(a.active)
+            load_b = len(b.seqs) + len(b.arrivals) + b.incoming + len(b.active)
+            best, held = (a, load_a) if load_a <= load_b else (b, load_b)
+            p = best.p
+            if held == 0 or (held < p.max_batch and best.kv_reserved + kv <= p.kv_capacity_tokens):
                 return best
         fits = [e for e in pool if e.has_decode_room(kv)]
         return min(fits, key=SimEngine.decode_load) if fits else None

@@ -12,8 +12,8 @@ from prorsa.sim.driver import MODES, StepSource
 from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
 from services.allocator.policy import make_policy
-from services.engine_agent import perf_model as pm
-from services.engine_agent.model_profiles import load_profile
+from services.runtime import perf_model as pm
+from services.runtime.model_profiles import load_profile
 
 
 @dataclass

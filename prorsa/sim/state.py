@@ -25,6 +25,7 @@ class Traj:
     version: int  # policy version it was started under
     key: str  # prefix-cache key: unique per step and attempt
     group_key: str  # prefix-cache key of its GRPO group's shared first prompt ("" if none)
+    group_tokens: int  # tokens of turn 0 shared by the group (0 without a group)
     turn: int = 0  # index of the turn in flight or next to submit
     context_tokens: int = 0  # prompt length of turn `turn` (whole history)
     start_s: float = -1.0  # submission time of turn 0 (-1: not started)
@@ -32,11 +33,6 @@ class Traj:
     alive: bool = True  # False once finished or aborted
     request: Request | None = None  # the turn currently inside the engines (None during tool calls)
     last_engine: SimEngine | None = None  # engine that last prefilled it (prefix affinity)
-
-    @property
-    def group_tokens(self) -> int:
-        """Tokens of turn 0 shared by the group (0 without a group)."""
-        return self.spec.turns[0].new_prompt_tokens if self.group_key else 0
 
 
 @dataclass(slots=True, eq=False)

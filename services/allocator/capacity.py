@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.engine_agent import perf_model as pm
-from services.engine_agent.model_profiles import BUILTIN_PROFILES, load_profile
-from services.engine_agent.perf_model import ModelProfile
+from services.runtime import perf_model as pm
+from services.runtime.model_profiles import BUILTIN_PROFILES, load_profile
+from services.runtime.perf_model import ModelProfile
 
 DEFAULT_PROFILE = "qwen3-235b"
 # Used when a view carries no request-level means (ClusterView.recent_* = 0): a mid-sized prompt, no prefix hit.

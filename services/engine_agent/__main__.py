@@ -63,7 +63,7 @@ def make_backend(args: argparse.Namespace, engine_id: str) -> Backend:
     """The backend named by `--backend`. Raises SystemExit with a clear message when it cannot be built."""
     if args.backend == "sim":
         from services.engine_agent.backends.sim_backend import DEFAULT_MAX_MODEL_LEN, SimBackend
-        from services.engine_agent.model_profiles import load_profile
+        from services.runtime.model_profiles import load_profile
 
         try:
             profile = load_profile(args.profile)

@@ -108,6 +108,10 @@ class EngineAgent(Service):
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     async def setup(self) -> None:
+        # Health answers from before setup() (Service.start subscribes first), and a real engine takes a minute
+        # to load: report "degraded" (details: starting=True) until the engine serves, so `prorsa up` and
+        # `prorsa status` do not call a loading engine healthy.
+        self.status = "degraded"
         await self.backend.start()
         await self.puller.setup()
         await self.subscribe(
@@ -121,6 +125,7 @@ class EngineAgent(Service):
         assert self.nc is not None
         await self.nc.flush()  # the server has our subscriptions: a command sent after start() finds us
         self._serving = True
+        self.status = "ok"
         self.log.info("engine_ready", engine_id=self.engine_id, role=self.role, backend=self.backend.name)
 
     async def stop(self) -> None:
@@ -147,6 +152,7 @@ class EngineAgent(Service):
             "held_requests": len(self.runner.jobs),
             "policy_version": self.policy_version,
             "backend": self.backend.name,
+            "starting": not self._serving,
         }
 
     # -- events --------------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import os
 from collections.abc import AsyncIterator
 
 from proto import DecodeHandoff, GenerateRequest
-from services.engine_agent import perf_model as pm
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -48,9 +47,10 @@ from services.engine_agent.backends.sim_scheduler import (
     output_end,
 )
 from services.engine_agent.backends.sim_tokens import QWEN3_VOCAB_SIZE, SimTokens
-from services.engine_agent.perf_model import ModelProfile
 from services.runtime import clock
+from services.runtime import perf_model as pm
 from services.runtime.logging import get_logger
+from services.runtime.perf_model import ModelProfile
 
 DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
 DEFAULT_KV_TTL_S = 480.0

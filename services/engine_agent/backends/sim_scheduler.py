@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proto import GenerateRequest
-from services.engine_agent import perf_model as pm
 from services.engine_agent.backend import BackendStats, PrefillInfo
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.engine_agent.perf_model import ModelProfile
 from services.engine_agent.prefix_cache import PrefixCache
+from services.runtime import perf_model as pm
+from services.runtime.perf_model import ModelProfile
 
 SeqMode = Literal["generate", "prefill", "decode"]
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from services.engine_agent.perf_model import ModelProfile
+from services.runtime.perf_model import ModelProfile
 
 PROFILE_SCHEMA = "prorsa.model_profile"
 PROFILE_SCHEMA_VERSION = 1

@@ -4,6 +4,10 @@ Pure and deterministic: plain arithmetic on a `ModelProfile`; no clock, no rando
 (`prorsa.sim`) and the simulated engine backend call it; a real engine's calibration fits its coefficients
 (`model_profiles.profile_to_json` documents the file).
 
+It lives in the shared runtime, not in `services/engine_agent/`, because three parts need the same model: the
+engine agent's simulated backend, the allocator's capacity model, and the simulator. Services may import only the
+runtime and `proto`, never each other.
+
 One *engine* is one serving instance: e.g. 8 GPUs at TP8, or a group of `dp_ranks` data-parallel attention ranks
 sharing one expert-parallel MoE (DP attention). All rates below are for the whole engine.
 

@@ -1,0 +1,145 @@
+"""The predictor interface: one small base class, a name -> factory registry, and the inputs predictors see.
+
+A predictor observes two kinds of input, cleaned once here so no subclass repeats it:
+  - `SeriesPoint`: one closed window of the demand series (see `series.py`). Non-finite or negative values become
+    0 (counted in `sanitised`); a point not newer than the previous one is dropped.
+  - `Picture`: the live trajectories of one tracker snapshot as arrays (`picture.py` builds it), with the
+    lifecycle distributions and the caller's hints.
+It answers `predict(now, horizons) -> DemandForecast` with q10 <= q50 <= q90, all >= 0, for every horizon.
+Predictors that fit a model offer `refit_job(now)`: a pure callable over copied inputs that may run on another
+thread, whose result `install()` adopts on the caller's thread; `refit(now)` does both synchronously.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from proto import DemandForecast, HorizonForecast, Quantiles
+from services.forecaster.picture import Picture
+from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint
+
+# One forecast per metric and horizon: (q10, q50, q90).
+Triple = tuple[float, float, float]
+MetricForecast = dict[str, list[Triple]]
+
+Z90 = 1.2815515655446004  # standard normal 0.9 quantile
+
+
+def normal_triple(mean: float, var: float) -> Triple:
+    """(q10, q50, q90) of a normal approximation, clipped at 0."""
+    sd = math.sqrt(var) if var > 0.0 else 0.0
+    return clean_triple(mean - Z90 * sd, mean, mean + Z90 * sd)
+
+
+def clean_triple(q10: float, q50: float, q90: float) -> Triple:
+    """Finite, non-negative and ordered."""
+    vals = [v if math.isfinite(v) and v > 0.0 else 0.0 for v in (q10, q50, q90)]
+    vals.sort()
+    return vals[0], vals[1], vals[2]
+
+
+class Predictor(ABC):
+    """Base class; subclasses set `name` and implement `_forecast`, optionally `_on_point`/`_on_picture`."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, horizons_s: Sequence[float] = HORIZONS_S, window_s: float = 1.0) -> None:
+        if not horizons_s or any(not (h > 0.0) for h in horizons_s):
+            raise ValueError("horizons must be > 0")
+        if not (window_s > 0.0):
+            raise ValueError("window_s must be > 0")
+        self.horizons_s = tuple(float(h) for h in horizons_s)
+        self.window_s = window_s
+        self.sanitised = 0  # input values replaced because they were negative or not finite
+        self.last_end_s = -math.inf
+        self.points = 0
+
+    # --- input ------------------------------------------------------------------------------------------------
+    def observe(self, item: SeriesPoint | Picture, now: float) -> None:
+        """Take one series window or one picture (see the module header)."""
+        if isinstance(item, SeriesPoint):
+            point = self._sanitise(item)
+            if point is not None:
+                self.last_end_s = point.end_s
+                self.points += 1
+                self._on_point(point)
+        elif isinstance(item, Picture):
+            self._on_picture(item)
+        else:
+            raise TypeError(f"cannot observe {type(item).__name__}")
+
+    def _sanitise(self, p: SeriesPoint) -> SeriesPoint | None:
+        if not math.isfinite(p.end_s) or p.end_s <= self.last_end_s:
+            self.sanitised += 1
+            return None
+        vals = [p.value(m) for m in METRICS]
+        clean = [v if math.isfinite(v) and v >= 0.0 else 0.0 for v in vals]
+        if clean != vals:
+            self.sanitised += 1
+            p = SeriesPoint(p.end_s, p.window_s, *clean)
+        return p
+
+    def _on_point(self, point: SeriesPoint) -> None:
+        """A new, clean window (override; the default ignores it)."""
+        return None
+
+    def _on_picture(self, picture: Picture) -> None:
+        """A new picture (override; the default ignores it)."""
+        return None
+
+    # --- output -----------------------------------------------------------------------------------------------
+    def predict(self, now: float, horizons: Sequence[float] | None = None) -> DemandForecast:
+        hs = tuple(float(h) for h in (horizons or self.horizons_s))
+        fc = self._forecast(now, hs)
+        out = []
+        for i, h in enumerate(hs):
+            q = {
+                m: Quantiles(**dict(zip(("q10", "q50", "q90"), clean_triple(*fc[m][i]), strict=True)))
+                for m in METRICS
+            }
+            out.append(HorizonForecast(horizon_s=h, **q))
+        return DemandForecast(ts_s=now, predictor=self.name, horizons=out)
+
+    @abstractmethod
+    def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
+        """metric -> one (q10, q50, q90) per horizon, in order (cleaned by `predict`)."""
+
+    # --- fitting ----------------------------------------------------------------------------------------------
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        """A pure callable over copied inputs (safe on another thread), or None when nothing needs fitting."""
+        return None
+
+    def install(self, fitted: Any) -> None:
+        """Adopt a refit job's result (on the caller's thread; the default has nothing to adopt)."""
+        return None
+
+    def refit(self, now: float) -> None:
+        job = self.refit_job(now)
+        if job is not None:
+            self.install(job())
+
+
+Factory = Callable[..., Predictor]
+REGISTRY: dict[str, Factory] = {}
+
+
+def register(name: str) -> Callable[[Factory], Factory]:
+    def deco(factory: Factory) -> Factory:
+        REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def make_predictor(name: str, **options: Any) -> Predictor:
+    """Build a registered predictor. Raises KeyError naming the known predictors for an unknown name."""
+    import services.forecaster.predictors  # noqa: F401 - registers every predictor
+
+    try:
+        factory = REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown predictor {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+    return factory(**options)

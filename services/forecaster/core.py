@@ -1,0 +1,119 @@
+"""ForecasterCore: events and snapshots in, one DemandForecast per call out. Pure and synchronous.
+
+Wiring (the same in the live service and in the simulator):
+  observe_event(event, now)      every lifecycle and engine event: exact token flows and lifecycle distributions
+                                 (see `learner.py` for why the events and not only the snapshots);
+  observe_snapshot(snapshot, now, pending=..., decode_rate_tokens_per_s=...)
+                                 every tracker snapshot: the levels of the series and the live picture;
+  forecast(now)                  the configured predictor's DemandForecast for the configured horizons;
+  refit_due(now) / refit_job(now) / install(result)
+                                 scheduled refits: the job is a pure callable over copied data, safe to run on a
+                                 worker thread while the core keeps serving with the last fitted models;
+                                 `refit(now)` runs it inline (simulator, tests).
+All times are the caller's clock in seconds; the series windows live on a fixed grid of that clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from proto import DemandForecast, LifecycleSnapshot
+from services.forecaster.base import Predictor, make_predictor
+from services.forecaster.distributions import Distributions
+from services.forecaster.learner import EventLearner
+from services.forecaster.picture import PendingArrival, build_picture
+from services.forecaster.series import HORIZONS_S, SeriesPoint, Windower
+
+
+class ForecasterCore:
+    def __init__(
+        self,
+        predictor: str | Predictor = "prorsa",
+        horizons_s: Sequence[float] = HORIZONS_S,
+        window_s: float = 1.0,
+        refit_interval_s: float = 30.0,
+        seed: int = 0,
+        predictor_options: dict[str, Any] | None = None,
+        sample_capacity: int = 2048,
+        series_points: int = 3600,
+    ) -> None:
+        self.horizons_s = tuple(float(h) for h in horizons_s)
+        self.window_s = window_s
+        self.refit_interval_s = refit_interval_s
+        if isinstance(predictor, Predictor):
+            self.predictor = predictor
+        else:
+            opts = dict(predictor_options or {})
+            if predictor in ("lifecycle", "prorsa"):
+                opts.setdefault("seed", seed)
+            self.predictor = make_predictor(predictor, horizons_s=self.horizons_s, window_s=window_s, **opts)
+        self.distributions = Distributions(capacity=sample_capacity)
+        self.learner = EventLearner(Windower(window_s), self.distributions)
+        # The closed windows of the demand series (the last hour at 1 s windows): what `series.realised` scores.
+        self.series: deque[SeriesPoint] = deque(maxlen=series_points)
+        self.last_refit_s = -math.inf
+        self._version_at_refit = 0
+        self.snapshots = 0
+        self.last_snapshot_ts_s = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.predictor.name
+
+    def _feed(self, points: list[SeriesPoint]) -> None:
+        for p in points:
+            self.series.append(p)
+            self.predictor.observe(p, p.end_s)
+
+    def observe_event(self, event: Any, now: float) -> None:
+        """One lifecycle or engine event at `now` (anything else is ignored)."""
+        self._feed(self.learner.observe(event, now))
+
+    def observe_snapshot(
+        self,
+        snapshot: LifecycleSnapshot,
+        now: float | None = None,
+        pending: Sequence[PendingArrival] = (),
+        decode_rate_tokens_per_s: float | None = None,
+    ) -> None:
+        """One tracker snapshot (`now` defaults to its timestamp). `pending`: the driver's upcoming first turns;
+        `decode_rate_tokens_per_s`: an observed per-sequence decode rate that overrides the learned one."""
+        now = snapshot.ts_s if now is None else now
+        pic = build_picture(snapshot, self.distributions, tuple(pending), decode_rate_tokens_per_s)
+        self._feed(self.learner.windower.set_levels(now, pic.decode_concurrency, pic.kv_tokens))
+        self.predictor.observe(pic, now)
+        self.snapshots += 1
+        self.last_snapshot_ts_s = snapshot.ts_s
+
+    def forecast(self, now: float, horizons: Sequence[float] | None = None) -> DemandForecast:
+        fc = self.predictor.predict(now, horizons or self.horizons_s)
+        return DemandForecast(
+            ts_s=fc.ts_s, predictor=fc.predictor, horizons=fc.horizons, snapshot_ts_s=self.last_snapshot_ts_s
+        )
+
+    # --- refits -----------------------------------------------------------------------------------------------
+    def refit_due(self, now: float) -> bool:
+        """Every `refit_interval_s`, and early on whenever the learned observations doubled since the last refit
+        (a model fitted on the first dozen observations should not wait a whole interval to be replaced)."""
+        if now - self.last_refit_s >= self.refit_interval_s:
+            return True
+        return self.distributions.version >= 2 * self._version_at_refit + 20
+
+    def refit_job(self, now: float) -> Callable[[], Any] | None:
+        """The predictor's refit as a pure callable (None: nothing to fit yet). Marks the refit as scheduled."""
+        job = self.predictor.refit_job(now)
+        if job is not None:
+            self.last_refit_s = now
+            self._version_at_refit = self.distributions.version
+        return job
+
+    def install(self, fitted: Any) -> None:
+        self.predictor.install(fitted)
+
+    def refit(self, now: float) -> None:
+        job = self.refit_job(now)
+        if job is not None:
+            self.install(job())

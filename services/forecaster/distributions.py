@@ -1,0 +1,136 @@
+"""Online, per-task empirical distributions of the trajectory lifecycle, in bounded memory.
+
+Each distribution keeps the most recent `capacity` observations (a ring), so it follows drift across RL steps and
+its memory does not grow. Every observation is also added to the pooled task "*", which stands in for a task with
+too few observations of its own. `freeze()` copies the arrays into an immutable `DistributionsView` that a refit
+may read on another thread while new observations keep arriving.
+
+Kinds (units in the names):
+  gap_s            time outside the model: from the end of a turn's output (RequestFinished or ToolCallStarted,
+                   whichever comes first) to the next TurnSubmitted (outcome "turn") or TrajectoryFinished
+                   (outcome "finish"); the outcome is kept alongside (`gap_is_turn`).
+  queue_wait_s     TrajectoryStarted -> first TurnSubmitted.
+  prefill_wait_s   TurnSubmitted -> PrefillDone (queueing + prefill).
+  output_tokens    output tokens per turn (RequestFinished.output_tokens).
+  new_tokens       new prompt tokens per turn, turns after the first (the observation size).
+  turns            turns per trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+POOLED = "*"
+KINDS: tuple[str, ...] = ("gap_s", "queue_wait_s", "prefill_wait_s", "output_tokens", "new_tokens", "turns")
+
+
+class SampleRing:
+    """The last `capacity` float observations (with an optional parallel boolean), oldest overwritten first."""
+
+    __slots__ = ("_values", "_flags", "_next", "count")
+
+    def __init__(self, capacity: int) -> None:
+        self._values = np.zeros(capacity, dtype=np.float64)
+        self._flags = np.zeros(capacity, dtype=bool)
+        self._next = 0
+        self.count = 0  # observations ever added
+
+    def add(self, value: float, flag: bool = True) -> None:
+        i = self._next
+        self._values[i] = value
+        self._flags[i] = flag
+        self._next = (i + 1) % len(self._values)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return min(self.count, len(self._values))
+
+    def values(self) -> np.ndarray:
+        return self._values[: len(self)].copy()
+
+    def flags(self) -> np.ndarray:
+        return self._flags[: len(self)].copy()
+
+
+@dataclass(frozen=True)
+class TaskSamples:
+    """Copied arrays of one task's observations (see the module header for the kinds)."""
+
+    gap_s: np.ndarray
+    gap_is_turn: np.ndarray
+    queue_wait_s: np.ndarray
+    prefill_wait_s: np.ndarray
+    output_tokens: np.ndarray
+    new_tokens: np.ndarray
+    turns: np.ndarray
+
+    def size(self, kind: str) -> int:
+        return len(getattr(self, kind))
+
+
+@dataclass(frozen=True)
+class DistributionsView:
+    """An immutable copy of all tasks' samples, plus the per-sequence decode rate."""
+
+    tasks: dict[str, TaskSamples] = field(default_factory=dict)
+    decode_rate_tokens_per_s: float = 0.0  # 0.0: not observed yet
+    version: int = 0  # observations ever added when frozen (a refit can tell whether anything changed)
+
+    def for_task(self, task: str) -> TaskSamples | None:
+        return self.tasks.get(task)
+
+
+class Distributions:
+    """Per-task sample rings (see the module header) and an EWMA of the per-sequence decode rate."""
+
+    def __init__(self, capacity: int = 2048, rate_alpha: float = 0.05) -> None:
+        self.capacity = capacity
+        self.rate_alpha = rate_alpha
+        self._rings: dict[str, dict[str, SampleRing]] = {}
+        self.decode_rate_tokens_per_s = 0.0
+        self.version = 0
+
+    def _ring(self, task: str, kind: str) -> SampleRing:
+        rings = self._rings.get(task)
+        if rings is None:
+            rings = self._rings[task] = {k: SampleRing(self.capacity) for k in KINDS}
+        return rings[kind]
+
+    def add(self, task: str, kind: str, value: float, flag: bool = True) -> None:
+        """Record one observation for `task` and the pooled task. Negative or non-finite values are dropped."""
+        if not (value >= 0.0) or not np.isfinite(value):
+            return
+        self._ring(task, kind).add(value, flag)
+        if task != POOLED:
+            self._ring(POOLED, kind).add(value, flag)
+        self.version += 1
+
+    def add_decode_rate(self, tokens_per_s: float) -> None:
+        if not (tokens_per_s > 0.0) or not np.isfinite(tokens_per_s):
+            return
+        if self.decode_rate_tokens_per_s <= 0.0:
+            self.decode_rate_tokens_per_s = tokens_per_s
+        else:
+            a = self.rate_alpha
+            self.decode_rate_tokens_per_s = (1 - a) * self.decode_rate_tokens_per_s + a * tokens_per_s
+
+    def count(self, task: str, kind: str) -> int:
+        rings = self._rings.get(task)
+        return len(rings[kind]) if rings else 0
+
+    def freeze(self) -> DistributionsView:
+        tasks = {}
+        for task, rings in self._rings.items():
+            gap = rings["gap_s"]
+            tasks[task] = TaskSamples(
+                gap_s=gap.values(),
+                gap_is_turn=gap.flags(),
+                queue_wait_s=rings["queue_wait_s"].values(),
+                prefill_wait_s=rings["prefill_wait_s"].values(),
+                output_tokens=rings["output_tokens"].values(),
+                new_tokens=rings["new_tokens"].values(),
+                turns=rings["turns"].values(),
+            )
+        return DistributionsView(tasks, self.decode_rate_tokens_per_s, self.version)

@@ -1,0 +1,90 @@
+"""ForecasterService: the asyncio shell around ForecasterCore.
+
+Inputs (core NATS, no acks needed: the forecaster's state is soft and rebuilds from live traffic within minutes):
+  `subjects.snapshot`                      LifecycleSnapshot from the tracker -> one DemandForecast each;
+  `subjects.lifecycle`, `ns.events.*`      lifecycle and engine events (also captured by the EVENTS stream), from
+                                           which the core learns exact token flows and lifecycle distributions.
+Output: `subjects.forecast`, one DemandForecast per snapshot from the configured predictor.
+
+Refits never block the event loop: when a refit is due, the core hands out a pure job over copied data, which runs
+in a worker thread (`asyncio.to_thread`); the core keeps forecasting with the last fitted models until the job's
+result is installed back on the loop. At most one refit runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, LifecycleSnapshot, Message
+from services.forecaster.core import ForecasterCore
+from services.forecaster.series import HORIZONS_S
+from services.runtime import clock
+from services.runtime.service import Service
+
+EVENT_TYPES = (*LIFECYCLE_MESSAGES, *ENGINE_EVENT_MESSAGES)
+
+
+class ForecasterService(Service):
+    name = "forecaster"
+
+    def __init__(
+        self,
+        nats_url: str,
+        namespace: str = "prorsa",
+        instance_id: str | None = None,
+        metrics_port: int | None = None,
+        predictor: str = "prorsa",
+        horizons_s: Sequence[float] = HORIZONS_S,
+        window_s: float = 1.0,
+        refit_interval_s: float = 30.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(nats_url, namespace, instance_id, metrics_port)
+        self.core = ForecasterCore(
+            predictor, horizons_s=horizons_s, window_s=window_s, refit_interval_s=refit_interval_s, seed=seed
+        )
+        self.forecasts_published = 0
+        self.refits = 0
+        self._refitting = False
+
+    async def setup(self) -> None:
+        await self.subscribe(self.subjects.snapshot, self._on_snapshot, LifecycleSnapshot)
+        await self.subscribe(self.subjects.lifecycle, self._on_event, EVENT_TYPES)
+        await self.subscribe(self.subjects.all_engine_events, self._on_event, EVENT_TYPES)
+
+    async def _on_event(self, event: Message, msg: Msg) -> None:
+        self.core.observe_event(event, clock.now_s())
+
+    async def _on_snapshot(self, snapshot: Message, msg: Msg) -> None:
+        assert isinstance(snapshot, LifecycleSnapshot)
+        now = snapshot.ts_s
+        self.core.observe_snapshot(snapshot, now)
+        forecast = self.core.forecast(now)
+        await self.publish(self.subjects.forecast, forecast)
+        self.forecasts_published += 1
+        if not self._refitting and self.core.refit_due(now):
+            job = self.core.refit_job(now)
+            if job is not None:
+                self._refitting = True
+                self.spawn(self._refit(job), name="refit")
+
+    async def _refit(self, job: Any) -> None:
+        try:
+            fitted = await asyncio.to_thread(job)
+            self.core.install(fitted)
+            self.refits += 1
+        finally:
+            self._refitting = False
+
+    def health_details(self) -> dict[str, Any]:
+        return {
+            "predictor": self.core.name,
+            "forecasts": self.forecasts_published,
+            "refits": self.refits,
+            "snapshots": self.core.snapshots,
+            "events": self.core.learner.events,
+        }

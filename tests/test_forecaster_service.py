@@ -1,0 +1,60 @@
+"""ForecasterService against a real nats-server: a snapshot in, a forecast out; bad bytes; refits off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import proto
+from prorsa.bench.synthetic import SyntheticWorkload, generate_events
+from proto import DemandForecast, EngineEvent, Subjects
+from services.forecaster.service import ForecasterService
+from services.runtime.nats_server import EmbeddedNatsServer
+from services.trajectory_tracker.core import TrackerCore
+
+S = Subjects()
+
+
+async def _wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
+    svc = ForecasterService(nats_server.url, horizons_s=(5.0, 10.0, 30.0))
+    await svc.start()
+    forecasts: list[DemandForecast] = []
+
+    async def on_forecast(msg) -> None:  # noqa: ANN001
+        forecasts.append(proto.decode_as(msg.data, DemandForecast))
+
+    await nc.subscribe(S.forecast, cb=on_forecast)
+    try:
+        tracker = TrackerCore()
+        events = generate_events(SyntheticWorkload(trajectories=20, seed=3))
+        for t, ev in events[: len(events) // 2]:
+            tracker.apply(ev, t)
+            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
+            await nc.publish(subject, proto.encode(ev))
+        await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+        await nc.publish(S.snapshot, b"{not a snapshot")  # bad bytes: counted, no crash
+        snap = tracker.snapshot(events[len(events) // 2][0])
+        await nc.publish(S.snapshot, proto.encode(snap))
+        await _wait_for(lambda: len(forecasts) == 1)
+        fc = forecasts[0]
+        assert fc.predictor == "prorsa" and fc.snapshot_ts_s == snap.ts_s
+        assert [h.horizon_s for h in fc.horizons] == [5.0, 10.0, 30.0]
+        for h in fc.horizons:
+            for q in (h.prefill_tokens, h.decode_tokens, h.decode_concurrency, h.kv_tokens):
+                assert 0.0 <= q.q10 <= q.q50 <= q.q90
+        assert fc.horizons[0].decode_concurrency.q50 > 0.0
+        assert svc.metrics.error_counts.get("decode", 0) == 1
+        # the first snapshot made a refit due; it ran on a worker thread and was installed
+        await _wait_for(lambda: svc.refits == 1)
+        await nc.publish(S.snapshot, proto.encode(tracker.snapshot(snap.ts_s + 1.0)))
+        await _wait_for(lambda: len(forecasts) == 2)
+        assert svc.health_details()["forecasts"] == 2
+    finally:
+        await svc.stop()
