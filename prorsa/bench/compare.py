@@ -1,0 +1,75 @@
+"""Every allocator policy on the same workload, profile and seed, in one run (so comparisons are ratios from one
+run). `static:best` sweeps every P:D split of the fleet and keeps the one with the lowest average trajectory time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from prorsa.sim.runner import SimConfig, run_simulation
+
+RESULT_KEYS = (
+    "avg_trajectory_s",
+    "p50_trajectory_s",
+    "p99_trajectory_s",
+    "rollout_s",
+    "tokens_per_s",
+    "role_switches",
+    "prefix_cache_hit_rate",
+    "trajectories_completed",
+    "trajectories_expected",
+)
+
+
+def expand_policies(specs: list[str], engines: int) -> list[str]:
+    """The simulations to run: `static:best` becomes every static:P:D split (P, D ≥ 1)."""
+    out: list[str] = []
+    for spec in specs:
+        if spec == "static:best":
+            out += [
+                f"static:{p}:{engines - p}"
+                for p in range(1, engines)
+                if f"static:{p}:{engines - p}" not in out
+            ]
+        elif spec not in out:
+            out.append(spec)
+    return out
+
+
+def compare_policies(
+    base: SimConfig, specs: list[str], progress: Callable[[str], None] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """Run every policy; returns (result rows in the order asked, full JSON per simulated policy).
+
+    A policy that cannot run on this configuration (e.g. `oracle` without a truth forecast) gets a row with an
+    `error` instead of figures. `static:best` gets the row of the best static split, named in `chosen`.
+    """
+    full: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    for spec in expand_policies(specs, base.engines):
+        if progress is not None:
+            progress(spec)
+        try:
+            full[spec] = run_simulation(dataclasses.replace(base, policy=spec)).to_json()
+        except ValueError as exc:  # PolicyError and WorkloadError are ValueErrors
+            errors[spec] = str(exc)
+    rows: list[dict[str, Any]] = []
+    for spec in specs:
+        if spec == "static:best":
+            statics = {k: v for k, v in full.items() if k.startswith("static:")}
+            if not statics:
+                rows.append({"policy": spec, "error": "no static split could run"})
+                continue
+            chosen = min(statics, key=lambda k: statics[k]["avg_trajectory_s"])
+            rows.append({"policy": spec, "chosen": chosen, **_figures(statics[chosen])})
+        elif spec in errors:
+            rows.append({"policy": spec, "error": errors[spec]})
+        else:
+            rows.append({"policy": spec, **_figures(full[spec])})
+    return rows, full
+
+
+def _figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The row of one simulation: RESULT_KEYS, plus `switches` (the name the bench JSON promises)."""
+    return {**{k: result[k] for k in RESULT_KEYS}, "switches": result["role_switches"]}
