@@ -46,6 +46,7 @@ from proto import (
     TurnSubmitted,
 )
 from services.runtime import clock
+from services.runtime.bus import ensure_streams
 
 
 class GenerateError(RuntimeError):
@@ -91,6 +92,8 @@ class RolloutClient:
         return client
 
     async def start(self) -> None:
+        # The client may come up before any service: make sure the streams it publishes into exist.
+        await ensure_streams(self.js, self.subjects)
         self._subs.append(await self.nc.subscribe(f"{self._reply_prefix}.>", cb=self._on_chunk))
         self._subs.append(await self.nc.subscribe(self.subjects.all_engine_stats, cb=self._on_stats))
 

@@ -1,0 +1,172 @@
+"""The main job end to end over a real nats-server: the rollout driver and trainer adapters on simulated engines.
+
+Every trajectory completes exactly once with its turns (sync and async); a trajectory whose engine is killed mid-turn
+still completes; and the live system's timings match the simulator's for the same workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+import proto
+from prorsa.client import RolloutClient
+from prorsa.client.adapters import MultiTurnWorkflow, VerlServerManager
+from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.sim.fixed_workload import FixedWorkload
+from prorsa.sim.runner import SimConfig, run_simulation
+from prorsa.workload.types import TrajectorySpec, Turn
+from proto import SamplingParams, TrajectoryFinished, TrajectoryStarted, TurnSubmitted
+from tests.engine_agent_support import make_agent
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def specs(n: int, turns: int, out: int = 40, new: int = 300, tool_s: float = 1.0, prefix: str = "t") -> list:
+    return [
+        TrajectorySpec(
+            f"{prefix}{i}",
+            "coding",
+            tuple(
+                Turn(new if k else 2000, out + 7 * i, tool_s if k < turns - 1 else 0.0) for k in range(turns)
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+class LifecycleLog:
+    def __init__(self) -> None:
+        self.events: list[proto.Message] = []
+
+    async def attach(self, nc) -> None:  # noqa: ANN001
+        async def cb(msg) -> None:  # noqa: ANN001
+            self.events.append(proto.decode(msg.data, msg.subject))
+
+        await nc.subscribe(proto.Subjects().lifecycle, cb=cb)
+
+    def count(self, cls: type) -> collections.Counter:
+        return collections.Counter(e.traj_id for e in self.events if isinstance(e, cls))
+
+
+@pytest.fixture
+async def system(nats_server, monkeypatch):
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "20")
+    agents = [make_agent(nats_server.url, f"e{i}", "mixed", speedup=None) for i in range(2)]
+    for a in agents:
+        await a.start()
+    client = await RolloutClient.connect(nats_server.url, retry_after_s=60.0)
+    log = LifecycleLog()
+    await log.attach(client.nc)
+    yield client, log, agents
+    await client.close()
+    for a in agents:
+        await a.stop()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_every_trajectory_completes_exactly_once(system, mode: str) -> None:
+    client, log, _ = system
+    steps = [specs(4, 3, prefix=f"s{s}-") for s in range(2)]
+    driver = RolloutDriver(client, RolloutConfig(steps=2, mode=mode, staleness=1, training_s=5.0))
+    metrics = await driver.run(steps)
+    await asyncio.sleep(0.3)  # the last lifecycle events arrive
+    summary = metrics.summary()
+    assert summary["trajectories_completed"] == summary["trajectories_expected"] == 8
+    assert summary["turns_completed"] == 8 * 3
+    finished = log.count(TrajectoryFinished)
+    assert sorted(finished) == sorted(s.traj_id for step in steps for s in step)
+    assert set(finished.values()) == {1}
+    assert all(n == 3 for n in log.count(TurnSubmitted).values())
+    assert all(n == 1 for n in log.count(TrajectoryStarted).values())
+    assert driver.version == 2  # one weights update per step
+
+
+async def test_verl_and_areal_shaped_adapters(system) -> None:
+    client, log, _ = system
+    verl = VerlServerManager(client, task="coding")
+    ids = list(range(1, 500))
+    for _ in range(3):  # verl reuses the request id across the turns of one trajectory
+        out = await verl.generate(
+            "req/7", prompt_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 1}
+        )
+        assert len(out.token_ids) == 16 and out.log_probs is not None and len(out.log_probs) == 16
+        ids = ids + out.token_ids + [5, 6, 7]
+    await verl.finish("req/7", reward=1.0)
+
+    class Env:
+        def __init__(self) -> None:
+            self.steps = 0
+
+        async def step(self, output_ids: list[int]) -> tuple[list[int], bool, float]:
+            self.steps += 1
+            return [9] * 20, self.steps >= 2, float(self.steps)
+
+    workflow = MultiTurnWorkflow(make_env=Env, sampling=SamplingParams(max_tokens=12), task="math")
+    rec = await workflow.run(client, list(range(1, 100)))
+    assert len(rec.turns) == 2 and rec.reward == 2.0
+    assert len(rec.ids) == len(rec.loss_mask) == 99 + 12 + 20 + 12
+    assert sum(rec.loss_mask) == 24
+    await asyncio.sleep(0.3)
+    assert log.count(TurnSubmitted)["req-7"] == 3 and log.count(TrajectoryFinished)["req-7"] == 1
+
+
+async def test_live_timings_match_the_simulator(system) -> None:
+    """Same trajectories, same profile, same two colocated engines: average trajectory time within 25 %."""
+    client, _, _ = system
+    workload = specs(4, 3, out=300, new=500, tool_s=2.0)
+    driver = RolloutDriver(client, RolloutConfig(steps=1, training_s=0.0))
+    live = (await driver.run([FixedWorkload(workload).step(0)])).summary()
+    sim = run_simulation(
+        SimConfig(
+            workload=FixedWorkload(workload),
+            engines=2,
+            policy="colocated",
+            profile="qwen3-235b",
+            training_s=0.0,
+        )
+    ).to_json()
+    ratio = live["avg_trajectory_s"] / sim["avg_trajectory_s"]
+    print(
+        f"live {live['avg_trajectory_s']:.2f} s vs simulated {sim['avg_trajectory_s']:.2f} s: ratio {ratio:.2f}"
+    )
+    assert 0.75 < ratio < 1.25
+
+
+async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_server) -> None:
+    from tests.test_engine_agent_crash import spawn_engine
+
+    proc = spawn_engine(nats_server.url, "doomed")  # the only engine: it must take the first turn
+    client = await RolloutClient.connect(nats_server.url, retry_after_s=60.0)
+    backup = None
+    try:
+        streamed = asyncio.Event()
+        traj = await client.start_trajectory("victim", task="coding")
+        turn = asyncio.create_task(
+            traj.generate(
+                [],
+                SamplingParams(max_tokens=400),
+                prompt_len=1000,
+                sim_output_tokens=400,
+                on_tokens=lambda ids: streamed.set(),
+            )
+        )
+        await asyncio.wait_for(streamed.wait(), 60)
+        proc.kill()  # mid-turn: no ack, no hand-off
+        proc.wait()
+        backup = make_agent(nats_server.url, "backup", "mixed", speedup=50.0, ack_wait_s=2.0)
+        await backup.start()
+        result = await asyncio.wait_for(turn, 90)
+        assert len(result.token_ids) == 400 and result.engine_id == "backup"
+        assert result.restarts == 1  # the partial stream of the dead engine was discarded, not duplicated
+        second = await traj.generate([], SamplingParams(max_tokens=20), prompt_len=1500, sim_output_tokens=20)
+        assert len(second.token_ids) == 20
+        await traj.finish(reward=1.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await client.close()
+        if backup is not None:
+            await backup.stop()
