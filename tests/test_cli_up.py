@@ -67,3 +67,13 @@ def test_status_without_a_server_says_so() -> None:
         timeout=30,
     )
     assert out.returncode == 1 and "cannot reach NATS" in out.stdout
+
+
+def test_up_with_vllm_needs_a_model() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "prorsa", "up", "--backend", "vllm", "--engines", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "needs --model" in out.stdout

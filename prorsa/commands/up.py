@@ -17,7 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4, help="engine agents to start")
     p.add_argument("--backend", choices=("sim", "vllm"), default="sim")
     p.add_argument("--model", default=None, help="model path for --backend vllm")
-    p.add_argument("--profile", default=None, help="performance profile for --backend sim")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="performance profile (built-in or JSON, e.g. from `prorsa profile`): what sim engines run, and the "
+        "allocator's model of the engines for either backend",
+    )
+    p.add_argument("--dtype", default=None, help="--backend vllm: model dtype (float32 on CPUs without bf16)")
     p.add_argument("--speedup", type=float, default=None, help="sim backend: virtual seconds per wall second")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: discard)")
     p.add_argument("--for", dest="for_s", type=float, default=None, help="stop after this many seconds")
@@ -35,12 +41,15 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--profile", args.profile]
     if args.speedup:
         out += ["--speedup", str(args.speedup)]
+    if args.dtype:
+        out += ["--dtype", args.dtype]
     return out
 
 
 # A real engine loads its model and warms up before it reports ok: ~30-90 s per vLLM engine on a small CPU machine
 # (engines start in parallel and share its cores), so the default wait is much longer than for simulated engines.
 DEFAULT_START_TIMEOUT_S = {"sim": 60.0, "vllm": 600.0}
+STOP_TIMEOUT_S = {"sim": 15.0, "vllm": 30.0}
 
 
 async def wait_healthy(
@@ -80,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend,
             model=args.model,
             extra_engine_args=engine_args(args),
+            extra_service_args={"allocator": ["--profile", args.profile]} if args.profile else {},
             log_dir=args.log_dir,
         )
     )
@@ -117,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.2)
     finally:
-        system.stop()
+        # A vLLM engine agent hands on its work and shuts its engine down (vLLM waits up to 5 s for the engine
+        # process) before it exits: give it longer than a simulated one before it is killed.
+        system.stop(timeout_s=STOP_TIMEOUT_S[args.backend])
         print("up: stopped", flush=True)
     return 0

@@ -18,7 +18,7 @@ from prorsa.sim.metrics import Metrics
 from prorsa.sim.router import Router
 from prorsa.sim.state import Request, Traj
 from prorsa.sim.views import ViewBuilder
-from services.allocator.policy import AllocatorPolicy, ClusterView
+from services.allocator.policy import AllocatorPolicy, ClusterView, FixedRolesPolicy
 from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
@@ -58,6 +58,20 @@ class Simulation:
         self.plans_applied = 0
         self._views = ViewBuilder(self)
         self.events_processed = 0
+        # A fixed-roles policy (colocated, static) only ever re-asserts its initial roles: while every engine
+        # serves (or is heading for) its role there, its decision is known to be None without building a view.
+        self._fixed_roles = dict(roles) if type(policy) is FixedRolesPolicy else None
+
+    @property
+    def observer(self) -> ev.SimObserver | None:
+        """Receives every lifecycle event (None: nobody listens, and nothing is emitted)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, value: ev.SimObserver | None) -> None:
+        self._observer = value
+        for engine in getattr(self, "engines", {}).values():
+            engine.set_observed(value is not None)
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -68,32 +82,38 @@ class Simulation:
         self.queue.push(self.policy.interval_s, ev.POLICY_TICK)
         heap, driver = self.queue.heap, self.driver
         pop = heapq.heappop
-        end, events = 0.0, 0
+        wake, arrival, handoff, training_done = (
+            ev.ENGINE_WAKE,
+            ev.ARRIVAL,
+            ev.HANDOFF_ARRIVE,
+            ev.TRAINING_DONE,
+        )
+        t, events = 0.0, 0
         # Dispatch inlined (an if-chain by frequency beats a table of lambdas by one call per event).
-        while heap and driver.finished_s is None:
+        while heap:
             t, _, kind, a, b = pop(heap)
             if t > limit:
-                end = limit
+                t = limit
                 break
-            end = t
             events += 1
-            if kind == ev.ENGINE_WAKE:
+            if kind == wake:
                 a.on_wake(b, t)
-            elif kind == ev.ARRIVAL:
+            elif kind == arrival:
                 driver.on_arrival(a, t)
-            elif kind == ev.HANDOFF_ARRIVE:
+            elif kind == handoff:
                 a.on_handoff_arrive(b, t)
             elif kind == ev.RECONFIG_DONE:
                 a.on_reconfig_done(b, t)
             elif kind == ev.POLICY_TICK:
                 self._policy_tick(t)
-            elif kind == ev.TRAINING_DONE:
+            elif kind == training_done:
                 driver.on_training_done(a, t)
+                if driver.finished_s is not None:
+                    break  # the last batch is trained
             else:
                 raise AssertionError(f"unknown event kind {kind}")
         self.events_processed = events
-        if driver.finished_s is not None:
-            end = driver.finished_s
+        end = t if driver.finished_s is None else driver.finished_s
         self.now = end
         self.metrics.finish(end)
         return end
@@ -188,9 +208,11 @@ class Simulation:
         return self._views.build(now)
 
     def _policy_tick(self, now: float) -> None:
-        plan = self.policy.decide(self.cluster_view(now))
-        if plan is not None:
-            self.plans_applied += 1
-            for engine_id, role in plan.roles.items():
-                self.engines[engine_id].request_switch(role, now)
+        fixed = self._fixed_roles
+        if fixed is None or any((e.target_role or e.role) != fixed[i] for i, e in self.engines.items()):
+            plan = self.policy.decide(self.cluster_view(now))
+            if plan is not None:
+                self.plans_applied += 1
+                for engine_id, role in plan.roles.items():
+                    self.engines[engine_id].request_switch(role, now)
         self.queue.push(now + self.policy.interval_s, ev.POLICY_TICK)

@@ -120,7 +120,8 @@ class Driver:
                 )
         elif observed:
             sim.emit(ev.TOOL_CALL_END, traj, now, turn=traj.turn - 1)
-        req = Request(self.new_rid(), traj, traj.turn, traj.context_tokens, turn.output_tokens)
+        self._next_rid += 1
+        req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
         sim.metrics.on_turn_submitted(now, turn.new_prompt_tokens)
         if observed:

@@ -18,10 +18,13 @@ prefill engine caches the prompt it computed; a mixed engine caches prompt + out
 decode engine's KV is never sent back. So a trajectory's next turn on the prefill engine that served its last
 turn recomputes the last output plus the new tokens, on its mixed engine only the new tokens.
 
-Switching (`request_switch`): the engine leaves the router's pools (queued, unstarted prompts are re-routed),
-finishes prefills in progress, keeps decodes expected to finish within `drain_bound_s` and migrates the others
-(re-queued for prefill elsewhere with their context recomputed); handoffs that arrive while draining are forwarded
-to another decode engine. Drained, it reconfigures for `role_switch_s`, clears its prefix cache and rejoins.
+Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.switching`, mixed into `SimEngine`.
+
+Speed: the step loop below runs several times per turn, so it keeps running totals instead of re-summing
+(`_active_left`, `_ctx_base`, `_target_sum`), prices steps with `StepCost` (the perf model, precomputed), pushes its
+own wake-ups onto the heap, and inlines a few calls where the profile showed them (each marked "inlined"). A lone
+prompt on an idle prefill engine starts without the queue round trip (`enqueue_prefill`). Every shortcut must keep
+the result bit-identical to the general path: `tests/test_sim_speed_paths.py` compares them.
 """
 
 from __future__ import annotations
@@ -33,21 +36,31 @@ from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
 from prorsa.sim.state import Request
-from prorsa.sim.stepcost import DecodeCost
+from prorsa.sim.stepcost import step_cost
+from prorsa.sim.switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
 from services.engine_agent.prefix_cache import PrefixCache
-from services.runtime import perf_model as pm
 from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
 
-ACTIVE, DRAINING, RECONFIG = 0, 1, 2
+__all__ = ["ACTIVE", "DRAINING", "RECONFIG", "SimEngine"]
+
 ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3
 
 
-class SimEngine:
+class SimEngine(RoleSwitching):
     """State and stepping of one engine. All methods take the current virtual time `now`."""
+
+    # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
+    # them every attribute access on the hot path is a dict lookup.
+    __slots__ = ("engine_id", "p", "role", "sim", "router", "metrics", "cache", "state", "target_role")
+    __slots__ += ("_busy_s", "_push", "_heap", "_seq", "_observed", "_cost")
+    __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
+    __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
+    __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
+    __slots__ += ("_drop_pending", "prefill_tokens_done", "decode_tokens_done")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         self.engine_id = engine_id
@@ -58,8 +71,9 @@ class SimEngine:
         self.metrics = sim.metrics
         self._busy_s = sim.metrics.busy_s  # role → busy seconds, added to at the end of every activity
         self._push = sim.queue.push
+        self._heap, self._seq = sim.queue.heap, sim.queue.seq  # for the per-step wake-ups
         self._observed = sim.observer is not None
-        self._step_s = DecodeCost(profile).step_s  # decode step time (the perf model's, precomputed per batch)
+        self._cost = step_cost(profile)  # the perf model's formulas, precomputed for this profile
         self.state = ACTIVE
         self.target_role = ""
         self.cache = PrefixCache(profile.kv_capacity_tokens)
@@ -91,6 +105,10 @@ class SimEngine:
         # Work done, cumulative (the policy view turns them into per-interval rates).
         self.prefill_tokens_done = 0
         self.decode_tokens_done = 0
+
+    def set_observed(self, observed: bool) -> None:
+        """Whether the simulation has an observer (lifecycle events are built only then)."""
+        self._observed = observed
 
     # -- what the router and the views read ---------------------------------------------------------------------
 
@@ -127,6 +145,21 @@ class SimEngine:
         t = req.traj
         hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
         req.est_tokens = req.context_tokens - hit
+        if (
+            self.activity == IDLE
+            and self.role == "prefill"
+            and self.state == ACTIVE
+            and not (self.queue or self.active or req.cancelled or self._drop_pending or self.arrivals)
+        ):
+            # Shortcut, the same step as queueing and then `_poke` → `_boundary` → `_plan_prefill_step` would
+            # start: a lone prompt on an idle prefill engine (the common case of a tool-heavy workload), whose
+            # prefix hit was just looked up (nothing in between changes this engine's cache).
+            self._start_prefill(req, now, hit)
+            n = min(req.to_compute_tokens, self.p.prefill_batch_tokens)
+            self._chunks = [(req, n)]
+            compute_s = self._cost.prefill_compute_s(n, req.hit_tokens)
+            self._schedule(PREFILL_STEP, now, self.p.prefill_overhead_s + compute_s)
+            return
         self.queue.append(req)
         self.queued_tokens += req.est_tokens
         self._poke(now)
@@ -134,11 +167,14 @@ class SimEngine:
     def accept_handoff(self, req: Request, now: float) -> None:
         """Pull a prefilled request: reserve its KV and start the transfer."""
         req.engine = self
-        req.kv_tokens = req.context_tokens + req.output_tokens
-        self._reserve(req.kv_tokens)
+        req.kv_tokens = kv = req.context_tokens + req.output_tokens
+        self._reserve(kv)
         self.incoming += 1
         self.metrics.handoffs += 1
-        self._push(now + pm.kv_transfer_time_s(self.p, req.context_tokens), HANDOFF_ARRIVE, self, req)
+        heapq.heappush(
+            self._heap,
+            (now + self._cost.kv_transfer_s(req.context_tokens), next(self._seq), HANDOFF_ARRIVE, self, req),
+        )
 
     def on_handoff_arrive(self, req: Request, now: float) -> None:
         self.incoming -= 1
@@ -150,7 +186,10 @@ class SimEngine:
             self._poke(now)
             return
         self.arrivals.append(req)
-        self._poke(now)
+        if self.activity == JUMP:  # _poke, inlined for the common case (state is ACTIVE here)
+            self._interrupt(now)
+        elif self.activity == IDLE:
+            self._boundary(now)
 
     def _poke(self, now: float) -> None:
         """Something arrived: start now if idle, or end a decode jump at the next step boundary."""
@@ -166,7 +205,13 @@ class SimEngine:
     def on_wake(self, token: int, now: float) -> None:
         if token != self._token:
             return  # superseded by a replan
-        self._complete(now)
+        if self.activity == JUMP:  # _complete, inlined for the most frequent activity
+            t0 = self._t_start
+            self.activity = IDLE
+            self._busy_s[self.role] += now - t0
+            self._apply_decode_steps(self._jump_steps, t0, now)
+        else:
+            self._complete(now)
         self._boundary(now)
 
     def _complete(self, now: float) -> None:
@@ -196,44 +241,45 @@ class SimEngine:
                 else:
                     self._join_batch(req, now)
             self.arrivals.clear()
-        router = self.router
-        if self.state == DRAINING:
+        role, draining = self.role, self.state == DRAINING
+        if draining:
             self._migrate_long_decodes(now)
-        elif router.handoffs and (
-            self.role == "decode" or (self.role == "mixed" and router.mixed_takes_handoffs)
-        ):
-            router.pull_handoffs(self, now)
-        self._plan(now)
-        if self.state == DRAINING and self.activity == IDLE and self._drained():
+        elif self.router.handoffs and (role == "decode" or (role == "mixed" and not self.router.decode_pool)):
+            self.router.pull_handoffs(self, now)  # (mixed engines take handoffs only with no decode engine)
+        # Plan the next activity. With no prompt started or queued there are no chunks to take.
+        if role == "prefill":
+            if self.active or self.queue:
+                self._plan_prefill_step(now)
+        elif role == "mixed" and (self.active or self.queue) and self._plan_mixed_step(now):
+            pass  # a chunked-prefill step, which carries the decodes too
+        elif self.seqs:
+            self._plan_jump(now)
+        if draining and self.activity == IDLE and self._drained():
             self._start_reconfig(now)
 
-    def _plan(self, now: float) -> None:
-        role = self.role
-        if role == "prefill":
-            if not (self.active or self.queue):
-                return
-            p = self.p
-            self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
-            if chunks:
-                compute_s = 0  # summed from 0 in chunk order, as `sum()` would
-                for r, n in chunks:
-                    compute_s += pm.prefill_compute_s(p, n, r.hit_tokens + r.computed_tokens)
-                self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
-            return
-        if role == "mixed":
-            per_request = self.p.mixed_chunk_tokens
-            self._chunks = self._take_chunks(per_request * self.p.dp_ranks, per_request, now)
-            if self._chunks:
-                self._schedule(MIXED_STEP, now, self._mixed_step_s())
-                return
-        if self.seqs:
-            self._plan_jump(now)
+    def _plan_prefill_step(self, now: float) -> None:
+        p = self.p
+        self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
+        if chunks:
+            compute, compute_s = self._cost.prefill_compute_s, 0  # summed from 0 in order, as sum() does
+            for r, n in chunks:
+                compute_s += compute(n, r.hit_tokens + r.computed_tokens)
+            self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
+
+    def _plan_mixed_step(self, now: float) -> bool:
+        """Start a chunked-prefill step if prompts can go in; False: nothing to chunk (decode only)."""
+        per_request = self.p.mixed_chunk_tokens
+        self._chunks = self._take_chunks(per_request * self.p.dp_ranks, per_request, now)
+        if not self._chunks:
+            return False
+        self._schedule(MIXED_STEP, now, self._mixed_step_s())
+        return True
 
     def _schedule(self, kind: int, now: float, duration_s: float) -> None:
         self.activity = kind
         self._t_start = now
         self._token = token = self._token + 1
-        self._push(now + duration_s, ENGINE_WAKE, self, token)
+        heapq.heappush(self._heap, (now + duration_s, next(self._seq), ENGINE_WAKE, self, token))
 
     # -- prefill ----------------------------------------------------------------------------------------------------
 
@@ -265,9 +311,11 @@ class SimEngine:
     def _mixed_room(self, req: Request) -> bool:
         return self.has_decode_room(req.context_tokens + req.output_tokens)
 
-    def _start_prefill(self, req: Request, now: float) -> None:
-        t = req.traj
-        hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
+    def _start_prefill(self, req: Request, now: float, hit: int | None = None) -> None:
+        """Start computing `req` (`hit`: its prefix hit, if just looked up here)."""
+        if hit is None:
+            t = req.traj
+            hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
         hit = min(hit, req.context_tokens - 1)  # the last prompt token is always recomputed (vLLM does)
         req.hit_tokens = max(hit, 0)
         req.to_compute_tokens = req.context_tokens - req.hit_tokens
@@ -290,13 +338,8 @@ class SimEngine:
         else:
             cached = biggest_req.hit_tokens + biggest_req.computed_tokens
         batch = len(self.seqs)
-        return pm.mixed_step_time_s(
-            self.p,
-            total,
-            batch,
-            self._ctx_base + batch * self.steps_done,
-            prefill_cached_tokens=cached,
-            largest_rank_prefill_tokens=largest,
+        return self._cost.mixed_step_s(
+            total, batch, self._ctx_base + batch * self.steps_done, cached, largest
         )
 
     def _apply_chunks(self, t0: float, now: float) -> None:
@@ -354,7 +397,9 @@ class SimEngine:
         del self.seqs[req.rid]
         self._ctx_base -= req.context_tokens - req.start_step
         self._target_sum -= req.target_step
-        self._reserve(-req.kv_tokens)
+        self.kv_reserved -= req.kv_tokens  # _reserve(-kv), inlined: once per turn
+        if self.role == "mixed":
+            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         req.engine = None
 
     def _plan_jump(self, now: float) -> None:
@@ -367,30 +412,27 @@ class SimEngine:
             heapq.heappop(heap)  # stale entry of a migrated or cancelled sequence
         m = target - self.steps_done
         batch = len(seqs)
-        ctx0 = self._ctx_base + batch * self.steps_done
-        step_s = self._step_s
-        a = step_s(batch, ctx0)
-        b = (step_s(batch, ctx0 + (m - 1) * batch) - a) / (m - 1) if m > 1 else 0.0
+        a, b = self._cost.jump_s(batch, self._ctx_base + batch * self.steps_done, m)
         self._jump_steps, self._jump_a, self._jump_b = m, a, b
         # _schedule(JUMP, ...), inlined: the most frequent activity.
         self.activity = JUMP
         self._t_start = now
         self._token = token = self._token + 1
-        self._push(now + (m * a + b * m * (m - 1) / 2), ENGINE_WAKE, self, token)
-
-    def _jump_elapsed_s(self, k: int) -> float:
-        return k * self._jump_a + self._jump_b * k * (k - 1) / 2
+        heapq.heappush(
+            self._heap, (now + (m * a + b * m * (m - 1) / 2), next(self._seq), ENGINE_WAKE, self, token)
+        )
 
     def _interrupt(self, now: float) -> None:
         """End the current jump at the first step boundary at or after `now`."""
         dt = now - self._t_start
         a, b, steps = self._jump_a, self._jump_b, self._jump_steps
         if b > 0:
-            k = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * dt)) / b)
+            c = a - b / 2
+            k = int((-c + math.sqrt(c**2 + 2 * b * dt)) / b)
         else:
             k = int(dt / a) if a > 0 else steps
         k = max(0, k - 1)
-        # First boundary at or after now (the elapsed time is `_jump_elapsed_s(k)`, inlined).
+        # First boundary at or after now (k steps of the jump take k·a + b·k(k-1)/2 seconds).
         while k < steps and k * a + b * k * (k - 1) / 2 < dt:
             k += 1
         if k >= steps:
@@ -402,7 +444,7 @@ class SimEngine:
             self._complete(now)
             self._boundary(now)
             return
-        self._push(end, ENGINE_WAKE, self, self._token)
+        heapq.heappush(self._heap, (end, next(self._seq), ENGINE_WAKE, self, self._token))
 
     def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
         if m <= 0:
@@ -441,62 +483,6 @@ class SimEngine:
         for req in [r for r in self.seqs.values() if r.cancelled]:
             self.metrics.wasted_decoded_tokens += self.decoded_so_far(req)
             self._leave_batch(req)
-
-    # -- switching --------------------------------------------------------------------------------------------------
-
-    def request_switch(self, role: str, now: float) -> None:
-        """Start moving to `role` (see the module docstring for the draining rules)."""
-        if self.state == RECONFIG:
-            self.target_role = role
-            return
-        if role == self.role:
-            if self.state == DRAINING:  # switch cancelled before it happened
-                self.state, self.target_role = ACTIVE, ""
-                self.router.engine_available(self, now)
-                self._poke(now)
-            return
-        first = self.state == ACTIVE
-        self.state, self.target_role = DRAINING, role
-        if first:
-            self.router.engine_leaving(self, now)
-            requeue = list(self.queue)
-            self.queue.clear()
-            self.queued_tokens = 0
-            for req in requeue:
-                if not req.cancelled:
-                    self.router.route_prefill(req, now)
-        self._poke(now)
-
-    def _migrate_long_decodes(self, now: float) -> None:
-        if not self.seqs:
-            return
-        batch = len(self.seqs)
-        step_s = self._step_s(batch, self._ctx_base + batch * self.steps_done)
-        bound = self.sim.config.drain_bound_s
-        for req in [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]:
-            decoded = self.decoded_so_far(req)
-            self._leave_batch(req)
-            self.sim.migrate(req, self, decoded, now)
-
-    def _drained(self) -> bool:
-        return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
-
-    def _start_reconfig(self, now: float) -> None:
-        self.state = RECONFIG
-        self.metrics.role_change(now, self.role, "switching")
-        self._token += 1
-        self._push(now + pm.role_switch_time_s(self.p), ev.RECONFIG_DONE, self, self._token)
-
-    def on_reconfig_done(self, token: int, now: float) -> None:
-        if token != self._token:
-            return
-        self.metrics.role_change(now, "switching", self.target_role)
-        self.metrics.role_switches += 1
-        self.role, self.target_role, self.state = self.target_role, "", ACTIVE
-        self.cache.clear()
-        self.cache.resize(self.p.kv_capacity_tokens)
-        self.router.engine_available(self, now)
-        self._poke(now)
 
     # -- helpers ------------------------------------------------------------------------------------------------------
 

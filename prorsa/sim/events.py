@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 # Event kinds (small ints, dispatched by Simulation.run).
@@ -47,12 +47,13 @@ class EventQueue:
     skipping the attribute updates of a method saves a measurable share of the loop.
     """
 
-    __slots__ = ("heap", "push", "_next_seq")
+    __slots__ = ("heap", "push", "seq")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, int, Any, Any]] = []  # the event loop pops from it directly
-        self._next_seq = itertools.count(1).__next__
-        self.push: Callable[..., None] = _pusher(self.heap, self._next_seq)
+        # Sequence numbers: `next(seq)` (engines that push on every step build the tuple themselves).
+        self.seq: Iterator[int] = itertools.count(1)
+        self.push: Callable[..., None] = _pusher(self.heap, self.seq.__next__)
 
     def pop(self) -> tuple[float, int, int, Any, Any]:
         return heapq.heappop(self.heap)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prorsa.sim.engine import SimEngine
+from prorsa.sim.engine import ACTIVE, SimEngine
 from prorsa.sim.state import Request
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ class Router:
             engine = self.group_engine.get(traj.group_key)
         if (
             engine is not None
-            and engine.accepts_prefill
+            and engine.state == ACTIVE
+            and engine.role != "decode"  # accepts_prefill, inlined
             and engine.prefill_load_s() < self.affinity_overload_s
         ):
             self.affinity_hits += 1
@@ -120,9 +121,6 @@ class Router:
         return a if a.prefill_load_s() <= b.prefill_load_s() else b
 
     # -- decode handoffs --------------------------------------------------------------------------------------------
-
-    def _decode_targets(self) -> list[SimEngine]:
-        return self.decode_pool or self.mixed_pool
 
     def handoff(self, req: Request, now: float) -> None:
         """A prefilled request needs a decode engine."""

@@ -70,6 +70,9 @@ class EnsemblePredictor(Predictor):
         self._pending: deque[tuple[float, np.ndarray, np.ndarray, list[bool]]] = deque()
         self._residuals = [[deque(maxlen=residual_window) for _ in self.horizons_s] for _ in METRICS]
         self._points: deque[SeriesPoint] = deque(maxlen=int(4 * max(self.horizons_s) / window_s) + 16)
+        # The members' cleaned forecasts behind the latest `predict` (member name -> metric -> one triple per
+        # horizon), so an evaluation can score every member without asking each for its forecast again.
+        self.member_forecasts: dict[str, MetricForecast] = {}
 
     @property
     def member_names(self) -> list[str]:
@@ -147,6 +150,7 @@ class EnsemblePredictor(Predictor):
                 rows.append(clean_triple(q10, q50, q90))
             out[metric] = rows
         self._remember(now, horizons, forecasts, out)
+        self.member_forecasts = {m.name: f for m, f in zip(self.members, forecasts, strict=True)}
         return out
 
     def _horizon_index(self, h: float) -> int:

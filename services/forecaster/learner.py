@@ -122,9 +122,9 @@ class EventLearner:
         if first and t.started_s is not None:
             d.add(t.task, "queue_wait_s", now - t.started_s)
         if not first:
-            d.add(t.task, "new_tokens", new)
+            d.add(t.task, "new_tokens", new, turn=t.last_turn)  # filed under the turn it follows
         if t.gap_start_s is not None:
-            d.add(t.task, "gap_s", now - t.gap_start_s, True)
+            d.add(t.task, "gap_s", now - t.gap_start_s, True, turn=t.last_turn)
             t.gap_start_s = None
         t.last_turn = ev.turn
         t.turns += 1
@@ -151,7 +151,7 @@ class EventLearner:
         r = self._request(ev.request_id)
         if not r.prefill_seen and r.submitted_s is not None:
             t = self._trajs.get(ev.traj_id)
-            self.distributions.add(t.task if t else "", "prefill_wait_s", now - r.submitted_s)
+            self.distributions.add(t.task if t else "", "prefill_wait_s", now - r.submitted_s, turn=ev.turn)
         r.prefill_seen = True
 
     def _request_finished(self, ev: RequestFinished, now: float) -> None:
@@ -161,7 +161,7 @@ class EventLearner:
         self._progress(ev.request_id, ev.output_tokens, now)
         r.finished = True
         t = self._traj(ev.traj_id)
-        self.distributions.add(t.task, "output_tokens", ev.output_tokens)
+        self.distributions.add(t.task, "output_tokens", ev.output_tokens, turn=ev.turn)
         t.context_tokens = max(t.context_tokens, ev.prompt_tokens) + ev.output_tokens
         if ev.turn == t.last_turn and t.gap_start_s is None:
             t.gap_start_s = now
@@ -182,5 +182,5 @@ class EventLearner:
         if t is None:
             return
         if t.gap_start_s is not None:
-            self.distributions.add(t.task, "gap_s", now - t.gap_start_s, False)
+            self.distributions.add(t.task, "gap_s", now - t.gap_start_s, False, turn=t.last_turn)
         self.distributions.add(t.task, "turns", ev.turns or t.turns)

@@ -14,21 +14,50 @@ Contributions are summed with their variances, and q10/q50/q90 come from a norma
 Tables are rebuilt by `refit_job` (pure, seeded; the service runs it on a thread) from a frozen copy of the
 distributions; until the first refit the tables are built from `PRIORS`. Tasks with fewer than
 `min_task_samples` gaps or output lengths use the pooled task's tables.
+
+By turn: a trajectory at turn k uses the tables of its task's turn bucket (`distributions.turn_bucket`), built
+from the samples filed under that bucket (a kind with fewer than `min_task_samples` of them, and the turn counts
+and queue waits, come from the whole task); a bucket without enough gaps or outputs uses the task's tables.
+
+Decode tokens are r * (seconds decoding), r being the decode throughput per sequence in the decode state over
+the last `rate_windows` series windows (tokens generated / sequence-seconds in decode): it follows the engines'
+load (batch size, prefill interference) where the per-request rate learned from finished requests lags; until
+`min_rate_seconds` of decoding were seen, the learned rate. How far that throughput moves over a horizon is
+backtested on the last `rate_history` windows and added to the decode demand's variance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from services.forecaster.base import MetricForecast, Predictor, normal_triple, register
-from services.forecaster.distributions import POOLED, DistributionsView
+from services.forecaster.distributions import (
+    POOLED,
+    TURN_BUCKET_EDGES,
+    TURN_BUCKETS,
+    DistributionsView,
+    TaskSamples,
+    turn_bucket,
+)
+from services.forecaster.lifecycle_model import impute_censored
 from services.forecaster.lifecycle_stack import Stack, build_stack, stacked_moments
 from services.forecaster.lifecycle_tables import TaskTable, build_task_table
-from services.forecaster.picture import DECODE, QUEUED, Picture
-from services.forecaster.series import HORIZONS_S
+from services.forecaster.picture import DECODE, QUEUED, TOOL_CALL, Picture
+from services.forecaster.series import HORIZONS_S, SeriesPoint
+
+# A refit's result: (distributions version, tables by key, reusable turn-bucket tables with their fingerprints)
+Fitted = tuple[int, dict[str, TaskTable], dict[str, tuple[Hashable, TaskTable]]]
+
+
+def turn_key(task: str, bucket: int) -> str:
+    """Name of the tables of one task's turn bucket."""
+    return f"{task}@{bucket}"
 
 
 @register("lifecycle")
@@ -42,10 +71,22 @@ class LifecyclePredictor(Predictor):
         seed: int = 0,
         paths: int = 2048,
         min_task_samples: int = 30,
+        rate_windows: int = 5,
+        min_rate_seconds: float = 2.0,
+        rate_history: int = 300,
     ) -> None:
         super().__init__(horizons_s, window_s)
         self.paths = paths
         self.min_task_samples = min_task_samples
+        self.min_rate_seconds = min_rate_seconds
+        self.rate_windows = rate_windows
+        # (decode tokens, sequence-seconds in decode) per window: the latest `rate_windows` give the throughput,
+        # all of them its backtested error
+        self._rate: deque[tuple[float, float]] = deque(maxlen=rate_history)
+        self._reuse: dict[
+            str, tuple[Hashable, TaskTable]
+        ] = {}  # table key -> (its inputs' fingerprint, table)
+        self._last_point: SeriesPoint | None = None
         self._seeds = np.random.SeedSequence(seed)
         self.picture: Picture | None = None
         self._fitted_version = -1
@@ -57,8 +98,46 @@ class LifecyclePredictor(Predictor):
             )
         }
 
+    def _on_point(self, point: SeriesPoint) -> None:
+        self._last_point = point
+
     def _on_picture(self, picture: Picture) -> None:
+        p = self._last_point
+        if (
+            p is not None
+        ):  # the window just closed: concurrency at its start (the point) and end (the picture)
+            conc = 0.5 * (p.decode_concurrency + picture.decode_concurrency)
+            self._rate.append((p.decode_tokens, conc * p.window_s))
+            self._last_point = None
         self.picture = picture
+
+    def decode_throughput(self) -> float | None:
+        """Tokens per second per sequence in the decode state over the latest windows (None: too little seen)."""
+        recent = list(self._rate)[-self.rate_windows :]
+        tokens = sum(t for t, _ in recent)
+        seconds = sum(s for _, s in recent)
+        return tokens / seconds if seconds >= self.min_rate_seconds else None
+
+    def throughput_error(self, horizon_s: float) -> float:
+        """Relative RMS error of `decode_throughput` as a forecast of the throughput over the next `horizon_s`,
+        backtested on the kept windows (0 with too few): the engines' load moves the per-sequence rate, which
+        the decode demand's variance must include besides the uncertainty of the seconds decoded."""
+        k = max(1, round(horizon_s / self.window_s))
+        w = self.rate_windows
+        if len(self._rate) < w + k + 10:
+            return 0.0
+        tok, sec = (np.array(x) for x in zip(*self._rate, strict=True))
+        ct, cs = np.concatenate(([0.0], np.cumsum(tok))), np.concatenate(([0.0], np.cumsum(sec)))
+        i = np.arange(w, len(tok) - k + 1)  # forecast made after window i - 1
+        est_s, real_s = cs[i] - cs[i - w], cs[i + k] - cs[i]
+        ok = (est_s >= self.min_rate_seconds) & (real_s >= self.min_rate_seconds)
+        if ok.sum() < 10:
+            return 0.0
+        est = (ct[i] - ct[i - w])[ok] / est_s[ok]
+        real = (ct[i + k] - ct[i])[ok] / real_s[ok]
+        rel = real / np.maximum(est, 1e-9) - 1.0
+        weight = real_s[ok]
+        return float(np.sqrt(np.sum(weight * rel * rel) / np.sum(weight)))
 
     # --- fitting ----------------------------------------------------------------------------------------------
     def refit_job(self, now: float) -> Callable[[], Any] | None:
@@ -71,16 +150,21 @@ class LifecyclePredictor(Predictor):
         rate = pic.decode_rate_tokens_per_s or view.decode_rate_tokens_per_s
         live = {name: pic.turn[pic.task == code] for code, name in enumerate(pic.task_names)}
         live[POOLED] = pic.turn
+        censored = censored_progress(pic, now)
         seed = self._seeds.spawn(1)[0]
         hs, paths, min_n = self.horizons_s, self.paths, self.min_task_samples
+        reuse = dict(self._reuse)  # tables are immutable: sharing them with the job's thread is safe
 
-        def job() -> tuple[int, dict[str, TaskTable]]:
-            return view.version, build_tables(view, rate, hs, np.random.default_rng(seed), live, paths, min_n)
+        def job() -> Fitted:
+            rng = np.random.default_rng(seed)
+            built: dict[str, tuple[Hashable, TaskTable]] = {}
+            tables = build_tables(view, rate, hs, rng, live, paths, min_n, censored, reuse, built)
+            return view.version, tables, built
 
         return job
 
-    def install(self, fitted: tuple[int, dict[str, TaskTable]]) -> None:
-        self._fitted_version, self.tables = fitted
+    def install(self, fitted: Fitted) -> None:
+        self._fitted_version, self.tables, self._reuse = fitted
 
     # --- forecasting ------------------------------------------------------------------------------------------
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
@@ -95,17 +179,23 @@ class LifecyclePredictor(Predictor):
         out: MetricForecast = {
             m: [] for m in ("prefill_tokens", "decode_tokens", "decode_concurrency", "kv_tokens")
         }
+        rate = pic.decode_rate_tokens_per_s if pic is not None else None
+        rate = rate or self.decode_throughput() or pooled.decode_rate_tokens_per_s
+        for q in (0, 1):  # decode tokens = r * seconds decoding
+            sums["decode"][q] = sums["seconds"][q] * rate ** (q + 1)
         for h in horizons:
             mean = {q: _at(hs_t, v[0], h) for q, v in sums.items()}
             var = {q: _at(hs_t, v[1], h) for q, v in sums.items()}
             out["prefill_tokens"].append(normal_triple(mean["prefill"], var["prefill"]))
-            out["decode_tokens"].append(normal_triple(mean["decode"], var["decode"]))
+            rate_var = (self.throughput_error(h) * mean["decode"]) ** 2
+            out["decode_tokens"].append(normal_triple(mean["decode"], var["decode"] + rate_var))
             out["decode_concurrency"].append(normal_triple(mean["seconds"] / h, var["seconds"] / (h * h)))
             out["kv_tokens"].append(normal_triple(mean["kv"], var["kv"]))
         return out
 
-    def _table(self, task: str) -> TaskTable:
-        return self.tables.get(task) or self.tables[POOLED]
+    def _table(self, task: str, bucket: int | None = None) -> TaskTable:
+        t = self.tables.get(turn_key(task, bucket)) if bucket is not None else None
+        return t or self.tables.get(task) or self.tables[POOLED]
 
     def _stack(self) -> Stack:
         """The current tables stacked for one vectorised pass (rebuilt when a refit installs new tables)."""
@@ -116,7 +206,18 @@ class LifecyclePredictor(Predictor):
     def _add_trajectories(self, pic: Picture, now: float, sums: dict[str, list[np.ndarray]]) -> None:
         stack = self._stack()
         age_s = max(0.0, now - pic.ts_s)
-        slot = np.array([stack.slot(name) for name in pic.task_names], dtype=np.int64)[pic.task]
+        # The table of each trajectory's (task, turn bucket), else its task's, else the pooled one.
+        combo = pic.task.astype(np.int64) * TURN_BUCKETS + np.searchsorted(
+            TURN_BUCKET_EDGES, pic.turn, "right"
+        )
+        uniq, inverse = np.unique(combo, return_inverse=True)
+        slots = [
+            stack.slots.get(turn_key(pic.task_names[c // TURN_BUCKETS], c % TURN_BUCKETS))
+            for c in uniq.tolist()
+        ]
+        names = [pic.task_names[c // TURN_BUCKETS] for c in uniq.tolist()]
+        per_combo = [s if s is not None else stack.slot(n) for s, n in zip(slots, names, strict=True)]
+        slot = np.array(per_combo, dtype=np.int64)[inverse.ravel()]
         state = pic.state.astype(np.int64)
         x = np.where(state == DECODE, pic.generated, pic.time_in_state_s + age_s)
         turn, ctx = pic.turn, pic.context
@@ -134,7 +235,7 @@ class LifecyclePredictor(Predictor):
         for p in pic.pending:
             by_task.setdefault(p.task, []).append((max(0.0, p.at_s - now), float(p.prompt_tokens)))
         for task, items in by_task.items():
-            table = self._table(task)
+            table = self._table(task, turn_bucket(0))
             tau, c = (np.array(v)[:, None] for v in zip(*items, strict=True))
             rem = table.horizons_s[None, :] - tau  # (hints, H)
             ok = rem >= 0.0
@@ -148,17 +249,33 @@ class LifecyclePredictor(Predictor):
     def _accumulate(
         sums: dict[str, list[np.ndarray]], table: TaskTable, mean: np.ndarray, var: np.ndarray
     ) -> None:
-        r = table.decode_rate_tokens_per_s
         for i, q in enumerate(("prefill", "seconds", "kv")):
             sums[q][0] += mean[i]
             sums[q][1] += var[i]
-        sums["decode"][0] += r * mean[1]
-        sums["decode"][1] += r * r * var[1]
 
 
 def _at(hs: np.ndarray, values: np.ndarray, h: float) -> float:
     """A table value at horizon h: exact on the table's horizons, linear in between (0 at h = 0)."""
     return float(np.interp(h, np.concatenate(([0.0], hs)), np.concatenate(([0.0], values))))
+
+
+def censored_progress(pic: Picture, now: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Table key -> (time spent so far in the current tool call, tokens generated so far in the current decode)
+    of the live trajectories: lower bounds of a gap and an output length still in progress (censored)."""
+    age_s = max(0.0, now - pic.ts_s)
+    tool = pic.state == TOOL_CALL
+    dec = (pic.state == DECODE) & (pic.generated > 0)
+    bucket = np.searchsorted(TURN_BUCKET_EDGES, pic.turn, "right")
+    groups: dict[str, np.ndarray] = {POOLED: np.ones(pic.n, dtype=bool)}
+    for code, name in enumerate(pic.task_names):
+        mine = pic.task == code
+        groups[name] = mine
+        for b in np.unique(bucket[mine]).tolist():
+            groups[turn_key(name, b)] = mine & (bucket == b)
+    return {
+        key: (pic.time_in_state_s[m & tool] + age_s, pic.generated[m & dec].copy())
+        for key, m in groups.items()
+    }
 
 
 def build_tables(
@@ -169,17 +286,107 @@ def build_tables(
     live_turns: dict[str, np.ndarray] | None = None,
     paths: int = 2048,
     min_task_samples: int = 30,
+    censored: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    reuse: dict[str, tuple[Hashable, TaskTable]] | None = None,
+    built: dict[str, tuple[Hashable, TaskTable]] | None = None,
 ) -> dict[str, TaskTable]:
-    """Tables for the pooled task and every task with enough observations of its own (pure).
+    """Tables for the pooled task, every task and every (task, turn bucket) with enough observations (pure).
 
-    `live_turns`: task -> current turns of its live trajectories (censored observations of the turn count)."""
+    `live_turns`: task -> current turns of its live trajectories (censored observations of the turn count);
+    `censored`: table key -> gaps and outputs still in progress (`censored_progress`), completed by imputation
+    (`lifecycle_model.impute_censored`) before the tables are built.
+    `built` is filled with (fingerprint, table) for each turn-bucket table no live trajectory is in; given back
+    as `reuse` to the next call, such a table is built again only when its samples or the decode rate (to 5 %)
+    changed. (Its hazard may then be a refit old; a bucket with a trajectory in it is always rebuilt.)"""
     live = live_turns or {}
+    cens = censored or {}
+    old = reuse or {}
     tables: dict[str, TaskTable] = {}
-    for task, s in sorted(view.tasks.items()):
-        if task == POOLED or (
-            s.size("gap_s") >= min_task_samples and s.size("output_tokens") >= min_task_samples
-        ):
-            tables[task] = build_task_table(s, rate_tokens_per_s, horizons_s, rng, live.get(task), paths)
-    if POOLED not in tables:
-        tables[POOLED] = build_task_table(None, rate_tokens_per_s, horizons_s, rng, live.get(POOLED), paths)
+    rate_step = round(math.log(max(rate_tokens_per_s, 1e-9)) / math.log(1.05))
+
+    def enough(s: TaskSamples) -> bool:
+        return s.size("gap_s") >= min_task_samples and s.size("output_tokens") >= min_task_samples
+
+    def build(
+        key: str, s: TaskSamples | None, turns: np.ndarray | None, starts: np.ndarray | None = None
+    ) -> None:
+        idle = s is not None and starts is None and key not in cens and "@" in key
+        fp = (rate_step, _fingerprint(s)) if idle and s is not None else None
+        if fp is not None and key in old and old[key][0] == fp:
+            tables[key] = old[key][1]
+        else:
+            if s is not None and key in cens:
+                s = _with_censored(s, *cens[key], rng)
+            tables[key] = build_task_table(
+                s, rate_tokens_per_s, horizons_s, rng, turns, paths, start_turns=starts
+            )
+        if fp is not None and built is not None:
+            built[key] = (fp, tables[key])
+
+    tasks = sorted(t for t in view.tasks if t != POOLED)
+    for task in tasks:
+        if enough(view.tasks[task]):
+            build(task, view.tasks[task], live.get(task))
+    if len(tasks) == 1 and tasks[0] in tables:
+        tables[POOLED] = tables[tasks[0]]  # one task: the pooled samples are the same samples
+    else:
+        build(POOLED, view.tasks.get(POOLED), live.get(POOLED))
+    for (task, bucket), s in sorted(view.by_turn.items()):
+        parent = view.tasks.get(task)
+        if parent is None or not enough(s):
+            continue
+        turns = live.get(task)
+        starts = None
+        if turns is not None:
+            mine = turns[np.searchsorted(TURN_BUCKET_EDGES, turns, "right") == bucket]
+            starts = mine + 1 if len(mine) else None
+        build(turn_key(task, bucket), _filled(s, parent, min_task_samples), turns, starts)
     return tables
+
+
+def _fingerprint(s: TaskSamples) -> tuple[tuple[int, float], ...]:
+    """Sizes and sums of a task's samples (what decides whether its tables would change)."""
+    arrays = (
+        s.gap_s,
+        s.gap_is_turn,
+        s.queue_wait_s,
+        s.prefill_wait_s,
+        s.output_tokens,
+        s.new_tokens,
+        s.turns,
+    )
+    return tuple((len(a), float(np.sum(a))) for a in arrays)
+
+
+def _with_censored(
+    s: TaskSamples, gaps: np.ndarray, outputs: np.ndarray, rng: np.random.Generator
+) -> TaskSamples:
+    """Gaps and outputs completed with the ones in progress, while their rings hold every observation since the
+    start (a full ring holds a recent window of ended ones, which in-progress ones would double-count)."""
+    gap, is_turn, out = s.gap_s, s.gap_is_turn, s.output_tokens
+    if "gap_s" in s.filling:
+        gap, flags = impute_censored(gap, gaps, rng, is_turn)
+        is_turn = is_turn if flags is None else flags
+    if "output_tokens" in s.filling:
+        out, _ = impute_censored(out, outputs, rng)
+    return dataclasses.replace(s, gap_s=gap, gap_is_turn=is_turn, output_tokens=out)
+
+
+def _filled(s: TaskSamples, parent: TaskSamples, min_samples: int) -> TaskSamples:
+    """A turn bucket's samples, with the task's for the kinds it has too few of (and always for the kinds not
+    kept by turn: turn counts, queue waits)."""
+    out: dict[str, Any] = {}
+    own = set()
+    for f in dataclasses.fields(TaskSamples):
+        if f.name in ("gap_is_turn", "filling"):
+            continue
+        mine = getattr(s, f.name)
+        enough = len(mine) >= min_samples and f.name not in ("turns", "queue_wait_s")
+        out[f.name] = mine if enough else getattr(parent, f.name)
+        if enough:
+            own.add(f.name)
+    out["gap_is_turn"] = s.gap_is_turn if "gap_s" in own else parent.gap_is_turn
+    out["filling"] = frozenset(
+        k for k in s.filling | parent.filling if k in (s.filling if k in own else parent.filling)
+    )
+    return TaskSamples(**out)

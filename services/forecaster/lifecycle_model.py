@@ -113,6 +113,40 @@ def turn_hazard(
     return np.clip(h, 0.0, 1.0)
 
 
+def impute_censored(
+    samples: np.ndarray,
+    censored: np.ndarray,
+    rng: np.random.Generator,
+    flags: np.ndarray | None = None,
+    min_tail: int = 20,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """`samples` plus one completed value per censored observation c (a duration or length known to be > c).
+
+    Why: the samples are the gaps and outputs that have *ended*; the long ones still in progress are missing, so
+    early in a run (or a step) the sample is biased short and the model cycles trajectories too fast. Each c is
+    completed by a draw from the samples above c (redistribution to the right, the Kaplan-Meier idea, done by
+    imputation so the tables keep equally weighted samples); where fewer than `min_tail` lie above c, from the
+    `min_tail` largest scaled by c / x0, x0 the largest value with `min_tail` samples above it (a scale-free
+    tail, as in `lifecycle_tables._tail`). `flags` (a gap's outcome) are carried with the drawn sample.
+    Returns (values, flags or None); the samples unchanged when there is nothing censored or too few samples."""
+    c = censored[censored > 0.0]
+    n = len(samples)
+    if not len(c) or n <= min_tail:
+        return samples, flags
+    order = np.argsort(samples, kind="stable")
+    s = samples[order]
+    first_above = np.searchsorted(s, c, side="right")
+    few = n - first_above < min_tail
+    lo = np.where(few, n - min_tail, first_above)
+    idx = lo + np.minimum((rng.random(len(c)) * (n - lo)).astype(np.int64), n - lo - 1)
+    x0 = s[n - min_tail - 1]
+    scale = np.where(few & (c > x0) & (x0 > 0.0), c / max(x0, 1e-300), 1.0)
+    values = np.concatenate((samples, s[idx] * scale))
+    if flags is None:
+        return values, None
+    return values, np.concatenate((flags, flags[order][idx]))
+
+
 def draw(a: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Resample `a` with uniforms `u` (common random numbers: the same u pick the same ranks of sorted a)."""
     return a[np.minimum((u * len(a)).astype(np.int64), len(a) - 1)]
@@ -132,10 +166,25 @@ class ContTable:
     g2i: np.ndarray  # E[growth^2 * 1(decoding at u)]
 
     def at(self, rem: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The seven moments at remaining times `rem` (clipped to the grid; zero for rem < 0 is the caller's)."""
-        x = np.clip(rem, 0.0, self.u[-1])
-        arrays = (self.a1, self.a2, self.s1, self.s2, self.i1, self.gi, self.g2i)
-        return tuple(np.interp(x, self.u, arr) for arr in arrays)
+        """The seven moments at remaining times `rem` (clipped to the grid; zero for rem < 0 is the caller's).
+
+        Linear interpolation on the grid, which is uniform (`continuation_table`): the bracket is found by one
+        division and shared by the seven arrays (seven `np.interp` calls would search seven times)."""
+        u = self.u
+        x = np.clip(rem, 0.0, u[-1])
+        if len(u) < 2:
+            return tuple(np.full(np.shape(x), arr[0]) for arr in self._stacked())
+        step = u[1] - u[0]
+        i = np.minimum((x / step).astype(np.int64), len(u) - 2)
+        w = x - u[i]
+        out = []
+        for arr in self._stacked():
+            lo = arr[i]
+            out.append(lo + (arr[i + 1] - lo) * (w / step))
+        return tuple(out)
+
+    def _stacked(self) -> tuple[np.ndarray, ...]:
+        return (self.a1, self.a2, self.s1, self.s2, self.i1, self.gi, self.g2i)
 
 
 def continuation_table(
@@ -150,9 +199,17 @@ def continuation_table(
     """Monte-Carlo moments of a trajectory whose turn was just submitted (see the module header).
 
     With `hazard` and `start_turns` (the turn indices paths start at, e.g. the live trajectories' next turns),
-    each later gap ends the trajectory with the hazard of its turn; otherwise with the gaps' observed outcomes."""
+    each later gap ends the trajectory with the hazard of its turn; otherwise with the gaps' observed outcomes.
+
+    Each path's quantities are piecewise polynomial in u (a decode contributes on [start, end) and a constant
+    after; an arrival is a step), so a turn is recorded in O(paths) as jumps of polynomial coefficients in
+    difference arrays, summed over the grid once at the end, instead of O(paths x grid) work per turn."""
     u = np.linspace(0.0, u_max, n_u)
-    a, s, i1, gi, g2i = (np.zeros((paths, n_u)) for _ in range(5))
+    # Difference arrays (coefficient, path, grid): a coefficient at grid point j is the cumulative sum to j.
+    # Coefficients: arrivals' tokens; seconds decoded s0 + s1 u; decoding indicator; context grown while decoding
+    # g0 + g1 u; its square q0 + q1 u + q2 u^2.
+    A, S0, S1, IND, G0, G1, Q0, Q1, Q2 = range(9)
+    d = np.zeros((9, paths, n_u + 1))
     start = np.zeros(paths)
     grown = np.zeros(paths)
     alive = np.ones(paths, dtype=bool)
@@ -162,9 +219,10 @@ def continuation_table(
         if by_hazard
         else np.zeros(paths, np.int64)
     )
+    r = inp.rate
     while alive.any():
         w = draw(inp.pwait, rng.random(paths))
-        dur = draw(inp.out, rng.random(paths)) / inp.rate
+        dur = draw(inp.out, rng.random(paths)) / r
         n_new = draw(inp.new, rng.random(paths))
         if by_hazard:
             gap = draw(inp.gap_turn, rng.random(paths))
@@ -173,18 +231,27 @@ def continuation_table(
             gidx = np.minimum((rng.random(paths) * len(inp.gap)).astype(np.int64), len(inp.gap) - 1)
             gap, goes_on = inp.gap[gidx], inp.gap_is_turn[gidx]
         ds = start + w
-        rel = u[None, :] - ds[:, None]
-        dec = (rel >= 0.0) & (rel < dur[:, None]) & alive[:, None]
-        s += np.clip(rel, 0.0, dur[:, None]) * alive[:, None]
-        g = grown[:, None] + inp.rate * rel
-        i1 += dec
-        gi += np.where(dec, g, 0.0)
-        g2i += np.where(dec, g * g, 0.0)
+        rows = np.nonzero(alive)[0]
+        t0, t1 = ds[rows], ds[rows] + dur[rows]
+        lo = np.searchsorted(u, t0, "left")  # first grid point decoding (u >= start) ...
+        hi = np.searchsorted(u, t1, "left")  # ... and the first one after (u >= end)
+        c0 = grown[rows] - r * t0  # context grown by u while decoding: c0 + r u
+        one = np.ones(len(rows))
+        band = np.stack([0 * one, -t0, one, one, c0, r * one, c0 * c0, 2.0 * r * c0, r * r * one])
+        d[:, rows, lo] += band  # rows are distinct: plain fancy-index adds are exact
+        d[:, rows, hi] -= band
+        d[S0, rows, hi] += dur[rows]  # after the decode: all of it
         nxt = ds + dur + gap
         alive = alive & goes_on & (nxt <= u_max)
-        a += (alive[:, None] & (u[None, :] >= nxt[:, None])) * n_new[:, None]
-        grown = grown + dur * inp.rate + n_new
+        back = np.nonzero(alive)[0]
+        d[A, back, np.searchsorted(u, nxt[back], "left")] += n_new[back]
+        grown = grown + dur * r + n_new
         start = nxt
         turn = turn + 1
+    c = np.cumsum(d[:, :, :n_u], axis=2)
+    a = c[A]
+    s = c[S0] + c[S1] * u
+    gi = c[G0] + c[G1] * u
+    g2i = c[Q0] + c[Q1] * u + c[Q2] * u * u
     m = lambda x: x.mean(axis=0)  # noqa: E731
-    return ContTable(u, m(a), m(a * a), m(s), m(s * s), m(i1), m(gi), m(g2i))
+    return ContTable(u, m(a), m(a * a), m(s), m(s * s), m(c[IND]), m(gi), m(g2i))

@@ -123,6 +123,9 @@ def stacked_moments(
     x = np.clip(x, 0.0, _OFFSET / 10)
     pos = np.searchsorted(stack.grid_key, x + table * _OFFSET, side="right") - 1
     pos = np.clip(pos, first, first + g - 2)
+    # The offset keys carry ~1e-4 of rounding: a progress that close to a grid point may land one bracket off.
+    pos -= (x < stack.grid[pos]) & (pos > first)
+    pos += (x >= stack.grid[pos + 1]) & (pos < first + g - 2)
     lo, hi = stack.grid[pos], stack.grid[pos + 1]
     whi = np.clip((x - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0, 1.0)
     wlo = 1.0 - whi

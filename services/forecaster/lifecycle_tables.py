@@ -58,23 +58,40 @@ class TaskTable:
         return 1.0 - self.hazard[np.minimum(turn, len(self.hazard) - 1)]
 
 
+# Beyond the data, the progress grid goes on geometrically (x1.6 per point, to ~40x its last supported point):
+# a trajectory far into a tool call or a decode is common early in a run, when only the short ones have ended.
+_GRID_GROWTH = 1.6
+_GRID_EXTRA = 8
+
+
 def _progress_grid(samples: np.ndarray, points: int, min_tail: int) -> np.ndarray:
-    """0, then sample quantiles, keeping only points with at least `min_tail` samples strictly above them (beyond
-    the last point a trajectory is treated as at that point: the data say nothing finer there)."""
+    """0, then sample quantiles, keeping only points with at least `min_tail` samples strictly above them, then
+    `_GRID_EXTRA` geometric points beyond (where `_tail` extrapolates); beyond the last point a trajectory is
+    treated as at that point."""
     if len(samples) <= min_tail:
         return np.array([0.0])
     top = 1.0 - min_tail / len(samples)
     grid = np.unique(np.concatenate(([0.0], np.quantile(samples, np.linspace(0.0, top, points - 1)))))
     above = len(samples) - np.searchsorted(np.sort(samples), grid, side="right")
-    return grid[(above >= min_tail) | (grid == 0.0)]
+    grid = grid[(above >= min_tail) | (grid == 0.0)]
+    if grid[-1] > 0.0:
+        grid = np.concatenate((grid, grid[-1] * _GRID_GROWTH ** np.arange(1, _GRID_EXTRA + 1)))
+    return grid
 
 
 def _tail(samples: np.ndarray, x: float, min_tail: int) -> np.ndarray:
-    """Samples > x; at least the `min_tail` largest (extrapolation beyond the data)."""
+    """Samples > x, or where fewer than `min_tail` lie above x, the `min_tail` largest scaled by x / x0 (x0: the
+    largest value with `min_tail` samples above it). The scaling takes the tail as scale-free beyond the data —
+    given D > x, D / x is distributed as D / x0 given D > x0 — so the expected remaining time or output grows
+    with the progress already made, as it does for heavy-tailed tool latencies and output lengths (on the SWE
+    trace the mean residual tool latency is 3.5 s past 0.5 s and 18 s past 8 s). Tiny samples (<= min_tail)
+    are used as they are."""
     above = samples[samples > x]
     if len(above) >= min_tail or len(samples) <= min_tail:
         return above if len(above) else np.sort(samples)[-1:]
-    return np.sort(samples)[-min_tail:]
+    s = np.sort(samples)
+    top, x0 = s[-min_tail:], s[-min_tail - 1]
+    return top * (x / x0) if x > x0 > 0.0 else top
 
 
 def _masked(values: tuple[np.ndarray, ...], ok: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -87,25 +104,26 @@ def _first_arrival(
     """(grid, coefficients) of a trajectory waiting for its next turn, given the time already spent.
 
     known_tokens=False (tool_call): the turn brings N ~ new tokens; KV = I (c + N + G).
-    known_tokens=True (queued): the turn is the context itself; prefill = c + later arrivals, KV = I (c + G)."""
+    known_tokens=True (queued): the turn is the context itself; prefill = c + later arrivals, KV = I (c + G).
+    All horizons at once: arrays are (horizon, sample)."""
     grid = _progress_grid(waits, 24, min_tail) if len(waits) else np.array([0.0])
     coefs = np.zeros((len(grid), 3, 5, len(hs)))
     mu, nsq = inp.mu_new, inp.new_sq
+    zero = np.zeros(len(hs))
     for k, x in enumerate(grid):
         tau = np.maximum(_tail(waits, x, min_tail) - x, 0.0) if len(waits) else np.zeros(1)
-        m = len(tau)
-        for j, h in enumerate(hs):
-            ok = tau <= h
-            a1, a2, s1, s2, i1, gi, g2i = (v.sum() / m for v in _masked(cont.at(h - tau), ok))
-            p = ok.sum() / m
-            if known_tokens:
-                coefs[k, 0, :, j] = (a1, p, a2, 2 * a1, p)
-                coefs[k, 2, :, j] = (gi, i1, g2i, 2 * gi, i1)
-            else:
-                coefs[k, 0, :, j] = (p * mu + a1, 0.0, p * nsq + 2 * mu * a1 + a2, 0.0, 0.0)
-                e0 = mu * i1 + gi
-                coefs[k, 2, :, j] = (e0, i1, nsq * i1 + 2 * mu * gi + g2i, 2 * e0, i1)
-            coefs[k, 1, :, j] = (s1, 0.0, s2, 0.0, 0.0)
+        rem = hs[:, None] - tau[None, :]
+        ok = rem >= 0.0
+        a1, a2, s1, s2, i1, gi, g2i = (v.mean(axis=1) for v in _masked(cont.at(rem), ok))
+        p = ok.mean(axis=1)
+        if known_tokens:
+            coefs[k, 0] = (a1, p, a2, 2 * a1, p)
+            coefs[k, 2] = (gi, i1, g2i, 2 * gi, i1)
+        else:
+            coefs[k, 0] = (p * mu + a1, zero, p * nsq + 2 * mu * a1 + a2, zero, zero)
+            e0 = mu * i1 + gi
+            coefs[k, 2] = (e0, i1, nsq * i1 + 2 * mu * gi + g2i, 2 * e0, i1)
+        coefs[k, 1] = (s1, zero, s2, zero, zero)
     return grid, coefs
 
 
@@ -136,7 +154,8 @@ def _decode_table(
     wait: bool,
 ) -> KindTable:
     """Decoding with g generated (wait=False), or waiting for prefill (wait=True, g = 0): Monte Carlo over
-    (prefill wait, remaining output, gap, new tokens) with common random numbers across the grid of g."""
+    (prefill wait, remaining output, gap, new tokens) with common random numbers across the grid of g.
+    All horizons at once: arrays are (horizon, path)."""
     grid = np.array([0.0]) if wait else _progress_grid(inp.out, 24, min_tail)
     u_rem = rng.random(paths)
     w = draw(inp.pwait, rng.random(paths)) if wait else np.zeros(paths)
@@ -145,41 +164,33 @@ def _decode_table(
     base = np.zeros((len(grid), 3, 5, len(hs)))
     cont_c = np.zeros_like(base)
     r = inp.rate
+    h = hs[:, None]
+    zero = np.zeros(len(hs))
+    run = np.maximum(h - w, 0.0)  # time the decode could have run by h
     for k, g in enumerate(grid):
         rem = np.maximum(draw(np.sort(_tail(inp.out, g, min_tail)), u_rem) - g, 1.0)
         end = w + rem / r  # decode ends
         grow = rem + n_new  # context added before the next turn's decode
-        for j, h in enumerate(hs):
-            sec = np.clip(h - w, 0.0, rem / r)
-            still = (h >= w) & (h < end)
-            ok = end + gap <= h
-            a1, a2, s1, s2, i1, gi, g2i = _masked(cont.at(h - end - gap), ok)
-            e0 = np.mean(still * r * (h - w))
-            base[k, 1, :, j] = (np.mean(sec), 0.0, np.mean(sec**2), 0.0, 0.0)
-            base[k, 2, :, j] = (
-                e0,
-                np.mean(still),
-                np.mean(still * (r * (h - w)) ** 2),
-                2 * e0,
-                np.mean(still),
-            )
-            okf = ok.astype(np.float64)
-            cont_c[k, 0, :, j] = (
-                np.mean(okf * n_new + a1),
-                0.0,
-                np.mean(okf * n_new**2 + 2 * n_new * a1 + a2),
-                0.0,
-                0.0,
-            )
-            cont_c[k, 1, :, j] = (np.mean(s1), 0.0, np.mean(2 * sec * s1 + s2), 0.0, 0.0)
-            ce0 = np.mean(i1 * grow + gi)
-            cont_c[k, 2, :, j] = (
-                ce0,
-                np.mean(i1),
-                np.mean(i1 * grow**2 + 2 * grow * gi + g2i),
-                2 * ce0,
-                np.mean(i1),
-            )
+        sec = np.minimum(run, rem / r)
+        still = ((h >= w) & (h < end)).astype(np.float64)
+        ok = end + gap <= h
+        a1, a2, s1, s2, i1, gi, g2i = _masked(cont.at(h - end - gap), ok)
+        okf = ok.astype(np.float64)
+        p_still = still.mean(axis=1)
+        e0 = (still * r * run).mean(axis=1)
+        base[k, 1] = (sec.mean(axis=1), zero, (sec**2).mean(axis=1), zero, zero)
+        base[k, 2] = (e0, p_still, (still * (r * run) ** 2).mean(axis=1), 2 * e0, p_still)
+        cont_c[k, 0] = (
+            (okf * n_new + a1).mean(axis=1),
+            zero,
+            (okf * n_new**2 + 2 * n_new * a1 + a2).mean(axis=1),
+            zero,
+            zero,
+        )
+        cont_c[k, 1] = (s1.mean(axis=1), zero, (2 * sec * s1 + s2).mean(axis=1), zero, zero)
+        p_i = i1.mean(axis=1)
+        ce0 = (i1 * grow + gi).mean(axis=1)
+        cont_c[k, 2] = (ce0, p_i, (i1 * grow**2 + 2 * grow * gi + g2i).mean(axis=1), 2 * ce0, p_i)
     return KindTable(grid, base, cont_c)
 
 
@@ -191,18 +202,21 @@ def build_task_table(
     live_turns: np.ndarray | None = None,
     paths: int = 2048,
     min_tail: int = 20,
+    start_turns: np.ndarray | None = None,
 ) -> TaskTable:
     """All tables of one task from its samples (None: priors only). Pure; seeded by `rng`.
 
-    `live_turns`: current turn of this task's live trajectories (censored turn counts for the hazard)."""
+    `live_turns`: current turn of this task's live trajectories (censored turn counts for the hazard);
+    `start_turns`: the turns the continuation table's paths start at (default: the live trajectories' next)."""
     from services.forecaster.picture import DECODE, PREFILL, QUEUED, TOOL_CALL
 
     hs = np.array(sorted(horizons_s), dtype=np.float64)
     inp = make_inputs(samples, rate_tokens_per_s)
     live = live_turns if live_turns is not None else np.zeros(0, dtype=np.int64)
     hazard = turn_hazard(inp.turns, live, inp.finish_fraction)
+    starts = start_turns if start_turns is not None else live + 1
     cont = continuation_table(
-        inp, float(hs[-1]), rng, max(256, paths // 2), hazard=hazard, start_turns=live + 1
+        inp, float(hs[-1]), rng, max(256, paths // 2), hazard=hazard, start_turns=starts
     )
     kinds = {
         TOOL_CALL: _tool_call_table(inp, cont, hs, min_tail),

@@ -16,6 +16,7 @@ metric until the next successful refit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -126,15 +127,23 @@ class KalmanState:
         return cached
 
 
-def _fit_series(y: np.ndarray, make_model: Callable[[np.ndarray], Any]) -> StateSpaceFit | None:
+def _fit_series(
+    y: np.ndarray, make_model: Callable[[np.ndarray], Any], demean: bool = False
+) -> StateSpaceFit | None:
+    """`demean`: fit the series minus its mean (a model without a constant) and put the mean back as the
+    observation intercept (see `ArimaPredictor`)."""
     if len(y) < 12 or float(np.ptp(y)) == 0.0:
         return None
     scale = float(np.mean(np.abs(y))) or 1.0
+    z = y / scale
+    mean = float(np.mean(z)) if demean else 0.0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = make_model(y / scale)
+            res = make_model(z - mean if demean else z)
         fit = extract_fit(res, scale)
+        if demean:
+            fit = dataclasses.replace(fit, d=fit.d + mean)
     except Exception:  # a failed or degenerate fit: the metric falls back to ewma
         return None
     arrays = (fit.Z, fit.T, fit.c, fit.RQR, fit.a, fit.P)
@@ -145,6 +154,8 @@ def _fit_series(y: np.ndarray, make_model: Callable[[np.ndarray], Any]) -> State
 
 class StateSpacePredictor(Predictor):
     """Shared machinery of `ets` and `arima` (subclasses provide `fit_model`)."""
+
+    demean = False  # fit the demeaned series (see `_fit_series`)
 
     def __init__(
         self,
@@ -180,10 +191,10 @@ class StateSpacePredictor(Predictor):
             return None
         series = {m: np.array([p.value(m) for p in pts]) for m in METRICS}
         end_s = pts[-1].end_s
-        fit_model = self.fit_model
+        fit_model, demean = self.fit_model, self.demean
 
         def job() -> tuple[float, dict[str, StateSpaceFit | None]]:
-            return end_s, {m: _fit_series(y, fit_model) for m, y in series.items()}
+            return end_s, {m: _fit_series(y, fit_model, demean) for m, y in series.items()}
 
         return job
 
@@ -246,7 +257,7 @@ class EtsPredictor(StateSpacePredictor):
 
 @register("arima")
 class ArimaPredictor(StateSpacePredictor):
-    """ARIMA(p, d, q) with a constant when d == 0 (statsmodels.tsa.arima; `method` is ARIMA.fit's)."""
+    """ARIMA(p, d, q) with a constant (the mean) when d == 0 (statsmodels.tsa.arima; `method` is ARIMA.fit's)."""
 
     name = "arima"
 
@@ -256,13 +267,16 @@ class ArimaPredictor(StateSpacePredictor):
         super().__init__(**kw)
         self.order = tuple(order)
         order_ = self.order
-        trend = "c" if order_[1] == 0 else "n"
+        # With d == 0 the constant is the series mean: fitted as a demeaned series without a trend term. A trend
+        # term makes statsmodels wrap the MLE in an iterated GLS (several full fits); the demeaned fit reaches
+        # the same likelihood (to a fraction of a unit on the simulator's series) 2-3x faster.
+        self.demean = order_[1] == 0
 
         def fit(y: np.ndarray) -> Any:
             from statsmodels.tsa.arima.model import ARIMA
 
             # innovations_mle reaches the same maximum likelihood as the state-space optimiser ~3x faster; the
             # result is still a state-space fit (filtered), which is what the Kalman re-anchoring needs.
-            return ARIMA(y, order=order_, trend=trend).fit(method=method)
+            return ARIMA(y, order=order_, trend="n").fit(method=method)
 
         self.fit_model = fit  # type: ignore[method-assign]

@@ -192,6 +192,16 @@ class VllmBackend:
             return
         if handoff.first_token_id is None:
             raise BackendError(f"handoff {request.request_id} has no first token")
+        if self._is_own_handoff(handoff):
+            # This engine prefilled the request itself (it switched from prefill to decode and then pulled its own
+            # handoff). NIXL cannot read from its own engine (the handshake fails: "Cannot register local engine
+            # as remote"), but the prompt's blocks are still here, pinned by the lease and in the prefix cache: a
+            # local prefill of context + first token hits them and recomputes at most the last partial block.
+            # The pinned blocks are not released early (that notification also goes through NIXL); the lease
+            # frees them.
+            async for chunk in self._decode_locally(request, handoff.first_token_id):
+                yield chunk
+            return
         self._check_lease(handoff)
         stream = self.engine.decode_from_remote(
             request.request_id,
@@ -217,6 +227,10 @@ class VllmBackend:
             yield self._without_first_token(first)
             async for chunk in stream:
                 yield GenChunk(chunk.token_ids, chunk.logprobs, chunk.finished, _finish_reason(chunk))
+
+    def _is_own_handoff(self, handoff: DecodeHandoff) -> bool:
+        params = handoff.kv_transfer_params or {}
+        return params.get("remote_engine_id") == self.engine.config.engine_id
 
     def _check_lease(self, handoff: DecodeHandoff) -> None:
         if handoff.kv_transfer_params is None:

@@ -172,6 +172,7 @@ class VllmEngine:
         self.config = config
         self.start_s: float | None = None  # how long the last start took
         self.kv_capacity_tokens = 0  # known once started
+        self.max_num_batched_tokens = 0  # prefill tokens one engine step takes at most (vLLM's resolved value)
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
 
@@ -192,6 +193,7 @@ class VllmEngine:
             raise BackendError(f"vLLM engine {self.config.engine_id} failed to start: {exc}") from exc
         cache = self._llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        self.max_num_batched_tokens = int(self._llm.vllm_config.scheduler_config.max_num_batched_tokens)
         build_s = time.perf_counter() - t0
         try:
             await self._warm_up()
