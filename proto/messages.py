@@ -223,7 +223,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     e2e_s: NonNegFloat = 0.0
     policy_version: NonNegInt = 0
     prefill_engine: str = ""  # final chunk: the engine that holds this prompt's prefix (next turn's affinity)
-    error: str = ""  # final chunk of a failed request: why (finish_reason "error"); the client does not retry it
+    error: str = (
+        ""  # final chunk of a failed request: why (finish_reason "error"); the client does not retry it
+    )
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):

@@ -11,8 +11,16 @@ from proto import EngineStats, TokenChunk
 
 
 def chunk(i: int, toks: list[int], engine: str = "e1", final: bool = False) -> TokenChunk:
-    return TokenChunk(request_id="r", index=i, token_ids=toks, logprobs=[-0.1] * len(toks), finished=final,
-                      finish_reason="length" if final else "", engine_id=engine, prefill_engine="p0" if final else "")
+    return TokenChunk(
+        request_id="r",
+        index=i,
+        token_ids=toks,
+        logprobs=[-0.1] * len(toks),
+        finished=final,
+        finish_reason="length" if final else "",
+        engine_id=engine,
+        prefill_engine="p0" if final else "",
+    )
 
 
 def test_in_order_stream() -> None:

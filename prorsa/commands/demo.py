@@ -26,8 +26,13 @@ def run(args: argparse.Namespace) -> int:
     for policy in POLICIES:
         result = rollout.run_with_progress(rollout.live_config(args, policy), f"{args.workload} · {policy}")
         rows[policy] = result.summary
-    console.print(summary_table(rows, f"prorsa demo · {args.workload} · {args.engines} × {args.backend} engines "
-                                      f"· {args.batch_size} trajectories · {args.mode}"))
+    console.print(
+        summary_table(
+            rows,
+            f"prorsa demo · {args.workload} · {args.engines} × {args.backend} engines "
+            f"· {args.batch_size} trajectories · {args.mode}",
+        )
+    )
     base, ours = rows["colocated"], rows["prorsa"]
     for key in ("avg_trajectory_s", "rollout_s"):
         if ours[key] > 0:

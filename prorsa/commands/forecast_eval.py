@@ -78,7 +78,7 @@ def score_table(result: EvalResult, horizon_s: float) -> Table:
         f"horizon {horizon_s:g} s"
     )
     table.add_column("predictor")
-    for name in ("prefill WAPE", "decode WAPE", "coverage90 (≤ q90)", r"coverage80 (\[q10, q90])"):
+    for name in ("prefill WAPE", "decode WAPE", "coverage90", "coverage80"):
         table.add_column(name, justify="right")
     rows = {name: scores[j] for name, scores in result.scores.items()}
     best = {
@@ -89,9 +89,10 @@ def score_table(result: EvalResult, horizon_s: float) -> Table:
         cells = [_fmt(r["prefill_wape"]), _fmt(r["decode_wape"])]
         cells = [f"[bold]{c}[/bold]" if r[m] == best[m] else c for c, m in zip(cells, best, strict=True)]
         table.add_row(name, *cells, _fmt(r["coverage90"]), _fmt(r["coverage80"]))
+    n = rows[next(iter(rows))]["forecasts"]
     table.caption = (
-        f"{rows[next(iter(rows))]['forecasts']} forecasts scored (every {result.options.window_s:g} s, horizon inside "
-        f"the run); coverage: prefill and decode averaged; nominal 0.90 and 0.80"
+        f"{n} forecasts scored (one per {result.options.window_s:g} s, horizon inside the run). coverage90: share of "
+        "actuals <= q90 (nominal 0.90); coverage80: share within q10..q90 (nominal 0.80); prefill and decode averaged"
     )
     return table
 

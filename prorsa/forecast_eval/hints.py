@@ -15,8 +15,7 @@ the simulator emits nothing when a step is submitted.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prorsa.sim.driver import StepSource
 from prorsa.workload.types import TrajectorySpec
@@ -44,13 +43,16 @@ class RecordingWorkload:
 @dataclass
 class _Step:
     specs: dict[str, TrajectorySpec]
-    start_s: float | None = None
-    started: set[str] = field(default_factory=set)
+    start_s: float | None = None  # submission time, once its first trajectory started
     finished: int = 0
 
 
 class ArrivalSchedule:
-    """Pending first turns per the module header. Feed it `started`/`finished` events; ask `pending(now)`."""
+    """Pending first turns per the module header. Feed it `started`/`finished` events; ask `pending(now)`.
+
+    Events may be fed ahead of `now` (the evaluation releases ticks later than the simulator's clock): what a step
+    reveals counts only from the time it was revealed, so `pending(now)` never knows of a step submitted after
+    `now`, nor of a batch that ended after `now`."""
 
     def __init__(
         self,
@@ -68,7 +70,8 @@ class ArrivalSchedule:
         self.training_s = training_s
         self.steps = steps
         self._steps: dict[int, _Step] = {}
-        self._expected_next: tuple[int, float] | None = None  # (step, expected submission time)
+        # step -> (expected submission time, time that became known): a sync batch ended
+        self._expected: dict[int, tuple[float, float]] = {}
 
     def _step(self, index: int) -> _Step:
         s = self._steps.get(index)
@@ -78,15 +81,10 @@ class ArrivalSchedule:
 
     def started(self, step: int, traj_id: str, attempt: int, now: float) -> None:
         """A trajectory's turn 0 was submitted at `now`."""
-        if self.mode == "none":
-            return
         s = self._step(step)
         spec = s.specs.get(traj_id)
         if s.start_s is None and spec is not None and attempt == 0:
             s.start_s = now - spec.arrival_s
-            if self._expected_next is not None and self._expected_next[0] == step:
-                self._expected_next = None
-        s.started.add(traj_id)
 
     def finished(self, step: int, now: float) -> None:
         """A trajectory of `step` finished at `now` (aborted attempts restart, so they do not count)."""
@@ -96,30 +94,28 @@ class ArrivalSchedule:
         s.finished += 1
         last = self.steps is not None and step + 1 >= self.steps
         if s.finished == len(s.specs) and not last:
-            self._expected_next = (step + 1, now + self.training_s)
+            self._expected[step + 1] = (now + self.training_s, now)
 
     def pending(self, now: float) -> tuple[PendingArrival, ...]:
-        """First turns not submitted by `now` that the driver knows of (see the module header)."""
+        """First turns after `now` that the driver knows of at `now` (see the module header)."""
         if self.mode == "none":
             return ()
         out = []
-        for s in self._steps.values():
-            if s.start_s is not None and len(s.started) < len(s.specs):
+        for index, s in self._steps.items():
+            if s.start_s is not None and s.start_s <= now:
                 out += _arrivals(s, s.start_s, now)
-        if self._expected_next is not None:
-            index, at_s = self._expected_next
-            out += _arrivals(self._step(index), at_s, now)
+            elif index in self._expected and self._expected[index][1] <= now:
+                out += _arrivals(s, self._expected[index][0], now)
+        for index, (at_s, known_s) in self._expected.items():
+            if index not in self._steps and known_s <= now:
+                out += _arrivals(self._step(index), at_s, now)
         return tuple(out)
 
 
 def _arrivals(s: _Step, start_s: float, now: float) -> list[PendingArrival]:
-    specs = sorted((t for t in s.specs.values() if t.traj_id not in s.started), key=lambda t: t.arrival_s)
-    offsets = [t.arrival_s for t in specs]
-    # A spec whose time has come is about to be submitted (same virtual instant): still pending.
-    first = bisect.bisect_left(offsets, now - start_s - 1e-9)
+    """The step's first turns still to come after `now` (arrival times are start + offset, exactly)."""
     return [
-        PendingArrival(
-            at_s=max(start_s + t.arrival_s, now), prompt_tokens=t.turns[0].new_prompt_tokens, task=t.task
-        )
-        for t in specs[first:]
+        PendingArrival(at_s=start_s + t.arrival_s, prompt_tokens=t.turns[0].new_prompt_tokens, task=t.task)
+        for t in sorted(s.specs.values(), key=lambda t: t.arrival_s)
+        if start_s + t.arrival_s > now
     ]

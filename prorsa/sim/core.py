@@ -62,17 +62,6 @@ class Simulation:
         # serves (or is heading for) its role there, its decision is known to be None without building a view.
         self._fixed_roles = dict(roles) if type(policy) is FixedRolesPolicy else None
 
-    @property
-    def observer(self) -> ev.SimObserver | None:
-        """Receives every lifecycle event (None: nobody listens, and nothing is emitted)."""
-        return self._observer
-
-    @observer.setter
-    def observer(self, value: ev.SimObserver | None) -> None:
-        self._observer = value
-        for engine in getattr(self, "engines", {}).values():
-            engine.set_observed(value is not None)
-
     # -- the loop -----------------------------------------------------------------------------------------------
 
     def run(self) -> float:

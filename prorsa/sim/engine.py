@@ -56,7 +56,7 @@ class SimEngine(RoleSwitching):
     # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
     # them every attribute access on the hot path is a dict lookup.
     __slots__ = ("engine_id", "p", "role", "sim", "router", "metrics", "cache", "state", "target_role")
-    __slots__ += ("_busy_s", "_push", "_heap", "_seq", "_observed", "_cost")
+    __slots__ += ("_busy_s", "_push", "_heap", "_seq", "_cost")
     __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
     __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
@@ -72,7 +72,6 @@ class SimEngine(RoleSwitching):
         self._busy_s = sim.metrics.busy_s  # role → busy seconds, added to at the end of every activity
         self._push = sim.queue.push
         self._heap, self._seq = sim.queue.heap, sim.queue.seq  # for the per-step wake-ups
-        self._observed = sim.observer is not None
         self._cost = step_cost(profile)  # the perf model's formulas, precomputed for this profile
         self.state = ACTIVE
         self.target_role = ""
@@ -105,10 +104,6 @@ class SimEngine(RoleSwitching):
         # Work done, cumulative (the policy view turns them into per-interval rates).
         self.prefill_tokens_done = 0
         self.decode_tokens_done = 0
-
-    def set_observed(self, observed: bool) -> None:
-        """Whether the simulation has an observer (lifecycle events are built only then)."""
-        self._observed = observed
 
     # -- what the router and the views read ---------------------------------------------------------------------
 
@@ -370,7 +365,7 @@ class SimEngine(RoleSwitching):
         t = req.traj
         self.cache.insert(t.key, req.context_tokens, now, t.group_key, t.group_tokens)
         t.last_engine = self
-        if self._observed:
+        if self.sim.observer is not None:
             self.sim.on_prefill_done(req, self, now)
         if self.role == "prefill":
             self.router.handoff(req, now)
@@ -390,7 +385,7 @@ class SimEngine(RoleSwitching):
         heapq.heappush(self._finish_heap, (req.target_step, req.rid))
         self._ctx_base += req.context_tokens - req.start_step
         self._target_sum += req.target_step
-        if self._observed:
+        if self.sim.observer is not None:
             self.sim.on_decode_started(req, self, now)
 
     def _leave_batch(self, req: Request) -> None:
@@ -454,7 +449,7 @@ class SimEngine(RoleSwitching):
         self.steps_done = steps = self.steps_done + m
         self.decode_tokens_done += tokens
         self.metrics.on_decoded(t0, now, tokens)
-        if self._observed:
+        if self.sim.observer is not None:
             self.sim.emit_decode_progress(self, now)
         heap = self._finish_heap
         while heap and heap[0][0] <= steps:

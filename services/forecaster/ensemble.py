@@ -3,10 +3,12 @@
 Weights come from exponentially weighted averaging (Hedge): w_j ∝ exp(-eta * L_j), where L_j is member j's
 discounted cumulative loss on matured forecasts. A forecast issued at t for horizon h matures once the series
 covers (t, t+h]; its loss is |q50 - realised| / scale, scale being a running mean of |realised| (a WAPE-style
-normalisation, so metrics of any size weigh alike). Hedge's guarantee: on the normalised absolute loss, its
-average loss exceeds the best member's by at most O(sqrt(log K / T)) on a stationary stretch; the discount
-(`discount` per matured forecast) lets it move to another member when the regime changes (start-of-step burst,
-steady state, long tail). The median is the weighted average of the members' medians. Quantiles: once
+normalisation, so metrics of any size weigh alike), floored at a tenth of its long-run mean: when demand pauses
+(an RL step's training phase) the recent scale falls to ~0, and without the floor a member forecasting a trickle
+would take the largest loss exactly when nothing is at stake, and lose its weight just before the next burst.
+Hedge's guarantee: on the normalised absolute loss, its average loss exceeds the best member's by at most
+O(sqrt(log K / T)) on a stationary stretch; the discount (`discount` per matured forecast) lets it move to another
+member when the regime changes (start-of-step burst, steady state, long tail). The median is the weighted average of the members' medians. Quantiles: once
 `min_residuals` of its own forecasts matured, q10/q90 are conformal — q50 scaled by the 10 % and 90 % quantiles of
 its recent relative errors, so the 80 % band is calibrated even when a member's model-based band is too narrow;
 before that, the weighted averages of the members' q10/q90.
@@ -62,7 +64,8 @@ class EnsemblePredictor(Predictor):
         self.discount = discount
         shape = (len(METRICS), len(self.horizons_s), len(self.members))
         self.loss = np.zeros(shape)  # discounted cumulative normalised loss
-        self.scale = np.zeros(shape[:2])  # running mean |realised|
+        self.scale = np.zeros(shape[:2])  # running mean |realised| (last ~50 matured forecasts)
+        self.scale_long = np.zeros(shape[:2])  # running mean |realised| over ~1000 matured forecasts
         self.matured = np.zeros(shape[:2], dtype=np.int64)
         self.min_matured = min_matured
         self.min_residuals = min_residuals
@@ -124,7 +127,8 @@ class EnsemblePredictor(Predictor):
             a = actual[m]
             n = self.matured[i, j] = self.matured[i, j] + 1
             self.scale[i, j] += (abs(a) - self.scale[i, j]) / min(n, 50)
-            floor = max(self.scale[i, j], 1e-9)
+            self.scale_long[i, j] += (abs(a) - self.scale_long[i, j]) / min(n, 1000)
+            floor = max(self.scale[i, j], 0.1 * self.scale_long[i, j], 1e-9)
             loss = np.abs(member_q50[i, j] - a) / floor
             self.loss[i, j] = self.discount * self.loss[i, j] + np.minimum(loss, 10.0)
             self._residuals[i][j].append((a - own_q50[i, j]) / max(own_q50[i, j], 0.1 * floor))

@@ -83,9 +83,8 @@ class LifecyclePredictor(Predictor):
         # (decode tokens, sequence-seconds in decode) per window: the latest `rate_windows` give the throughput,
         # all of them its backtested error
         self._rate: deque[tuple[float, float]] = deque(maxlen=rate_history)
-        self._reuse: dict[
-            str, tuple[Hashable, TaskTable]
-        ] = {}  # table key -> (its inputs' fingerprint, table)
+        # table key -> (its inputs' fingerprint, table): turn-bucket tables a refit may reuse (`build_tables`)
+        self._reuse: dict[str, tuple[Hashable, TaskTable]] = {}
         self._last_point: SeriesPoint | None = None
         self._seeds = np.random.SeedSequence(seed)
         self.picture: Picture | None = None
@@ -103,9 +102,8 @@ class LifecyclePredictor(Predictor):
 
     def _on_picture(self, picture: Picture) -> None:
         p = self._last_point
-        if (
-            p is not None
-        ):  # the window just closed: concurrency at its start (the point) and end (the picture)
+        if p is not None:
+            # the window that just closed: concurrency at its start (the point) and its end (this picture)
             conc = 0.5 * (p.decode_concurrency + picture.decode_concurrency)
             self._rate.append((p.decode_tokens, conc * p.window_s))
             self._last_point = None

@@ -163,10 +163,16 @@ class StateSpacePredictor(Predictor):
         window_s: float = 1.0,
         fit_points: int = 240,
         min_fit_points: int = 30,
+        refit_points: int | None = None,
     ) -> None:
         super().__init__(horizons_s, window_s)
         self.fit_points = fit_points
         self.min_fit_points = min_fit_points
+        # A fit on `fit_points` windows barely moves until a good share of them is new: refit only after
+        # `refit_points` new windows (default a quarter of the fit), whatever the caller's schedule. Between fits
+        # the Kalman filter follows every window anyway.
+        self.refit_points = refit_points if refit_points is not None else max(1, fit_points // 4)
+        self._points_at_fit = -1  # `self.points` when the last refit job was handed out (-1: none yet)
         self.fallback = EwmaPredictor(horizons_s=horizons_s, window_s=window_s)
         self.states: dict[str, KalmanState] = {}
         self._recent: list[SeriesPoint] = []  # windows since the last refit job's data was copied
@@ -189,6 +195,9 @@ class StateSpacePredictor(Predictor):
         pts = self.fallback.history.points()[-self.fit_points :]
         if len(pts) < self.min_fit_points:
             return None
+        if self._points_at_fit >= 0 and self.points - self._points_at_fit < self.refit_points:
+            return None
+        self._points_at_fit = self.points
         series = {m: np.array([p.value(m) for p in pts]) for m in METRICS}
         end_s = pts[-1].end_s
         fit_model, demean = self.fit_model, self.demean

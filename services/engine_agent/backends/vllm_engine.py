@@ -172,7 +172,7 @@ class VllmEngine:
         self.config = config
         self.start_s: float | None = None  # how long the last start took
         self.kv_capacity_tokens = 0  # known once started
-        self.max_num_batched_tokens = 0  # prefill tokens one engine step takes at most (vLLM's resolved value)
+        self.max_num_batched_tokens = 0  # prefill tokens per engine step at most (vLLM's resolved value)
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
 
