@@ -26,6 +26,7 @@ def test_up_then_status_sees_every_service(tmp_path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own process group, so the test can press "Ctrl-C" on all of it
     )
     try:
         url, lines = None, []
@@ -53,7 +54,8 @@ def test_up_then_status_sees_every_service(tmp_path) -> None:
         assert sorted(rows) == sorted(expected)
         assert all(" ok " in ln for ln in out.stdout.splitlines()[1:])
     finally:
-        proc.send_signal(signal.SIGINT)
+        # As a terminal's Ctrl-C does: SIGINT to every process of the group (the children too).
+        os.killpg(proc.pid, signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert "up: stopped" in rest

@@ -7,6 +7,7 @@ directory is given, which lets a test restart the server on the same store and p
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -76,7 +77,10 @@ class EmbeddedNatsServer:
             return self
         cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 - owned by Popen
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+        # Its own session: a terminal's Ctrl-C goes to the whole foreground process group, and the server must
+        # outlive the services that are still draining on it; whoever started it stops it (`stop`, atexit).
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
+        atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -90,6 +94,7 @@ class EmbeddedNatsServer:
         raise NatsServerError(f"nats-server did not listen on port {self.port} within {timeout_s} s")
 
     def stop(self, remove_store: bool = False) -> None:
+        atexit.unregister(self.stop)
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
