@@ -68,11 +68,20 @@ def test_static_splits_in_id_order_and_restores_drift():
     assert plan is not None and dict(plan.roles) == {"engine-1": "prefill"}
 
 
+def test_static_hybrid_split_counts_mixed_engines():
+    roles = make_policy("static:1:0:3", 4).initial_plan([f"engine-{i}" for i in range(4)]).roles
+    assert sorted(roles.values()) == ["mixed", "mixed", "mixed", "prefill"]
+    assert make_policy("static:0:2:2", 4).name == "static:0:2:2"
+
+
 @pytest.mark.parametrize(
     ("spec", "n"),
     [
         ("static:3:2", 4),
         ("static:0:4", 4),
+        ("static:0:4:0", 4),
+        ("static:1:1:1", 4),
+        ("static:1:2:1:0", 4),
         ("static:a:b", 4),
         ("static:2", 4),
         ("nope", 4),

@@ -161,16 +161,20 @@ def _colocated(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
 
 
 def _static(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
-    if len(args) != 2 or not all(a.isdigit() for a in args):
-        raise PolicyError(f"static needs static:P:D with integers, got static:{':'.join(args)}")
-    n_prefill, n_decode = int(args[0]), int(args[1])
-    if n_prefill < 1 or n_decode < 1 or n_prefill + n_decode != n_engines:
-        raise PolicyError(f"static:{n_prefill}:{n_decode} must split all {n_engines} engines, ≥ 1 per role")
-    return FixedRolesPolicy(
-        name=f"static:{n_prefill}:{n_decode}",
-        interval_s=30.0,
-        counts=(("prefill", n_prefill), ("decode", n_decode)),
-    )
+    """`static:P:D` (P prefill + D decode engines) or `static:P:D:M` (plus M mixed: a hybrid split)."""
+    if len(args) not in (2, 3) or not all(a.isdigit() for a in args):
+        raise PolicyError(
+            f"static needs static:P:D or static:P:D:M with integers, got static:{':'.join(args)}"
+        )
+    n_prefill, n_decode, n_mixed = int(args[0]), int(args[1]), int(args[2]) if len(args) == 3 else 0
+    spec = ":".join(args)
+    if n_prefill + n_decode + n_mixed != n_engines:
+        raise PolicyError(f"static:{spec} must split all {n_engines} engines")
+    # Every role's work needs an engine that can do it: prefill (prefill or mixed), decode (decode or mixed).
+    if n_prefill + n_mixed < 1 or n_decode + n_mixed < 1:
+        raise PolicyError(f"static:{spec} leaves prefill or decode without an engine")
+    counts = tuple((r, n) for r, n in (("prefill", n_prefill), ("decode", n_decode), ("mixed", n_mixed)) if n)
+    return FixedRolesPolicy(name=f"static:{spec}", interval_s=30.0, counts=counts)
 
 
 PolicyFactory = Callable[..., AllocatorPolicy]
