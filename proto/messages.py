@@ -265,6 +265,8 @@ class EngineStats(Message, frozen=True, kw_only=True):
     switching: bool = False
     last_switch_s: NonNegFloat = 0.0  # duration of the last role switch
     in_flight_tokens: NonNegInt = 0  # tokens still to compute for work it holds
+    # Prompt tokens its prefix cache holds for later turns (0 = not measured): what a role switch would throw away.
+    prefix_cache_tokens: NonNegInt = 0
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

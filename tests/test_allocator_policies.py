@@ -478,3 +478,26 @@ def test_no_policy_module_reads_a_clock_or_does_io() -> None:
             "from nats",
         ):
             assert banned not in source, (module.__name__, banned)
+
+
+def test_a_leaving_prefill_engine_costs_the_prefix_cache_it_reports() -> None:
+    from services.allocator.policies.objective import Rates, move_costs
+
+    view = ClusterView(
+        now=0.0,
+        engines=(
+            engine(0, "prefill", kv=1_000, prefix_cache_tokens=500_000),
+            engine(1, "prefill", kv=1_000),  # reports no cache: its KV in use stands in
+            engine(2, "decode", batch=4),
+        ),
+        prefill_queue_tokens=0,
+        decode_queue_len=0,
+        prefill_tokens_per_s=0.0,
+        decode_tokens_per_s=0.0,
+    )
+    costs = move_costs(view, CAP, 30.0, Rates(CAP.prefill_tokens_per_s(2048, 0), 0.0))
+    lost = sorted(
+        costs.prefill_tokens["prefill"][1:2]
+        + [costs.prefill_tokens["prefill"][2] - costs.prefill_tokens["prefill"][1]]
+    )
+    assert lost == [1_000, 500_000]

@@ -204,7 +204,9 @@ async def test_policy_version_is_picked_up_between_requests(nats_server, nc) -> 
         await publish_work(nc, S.prefill_work_any, request("p0", max_tokens=10))
         await watcher.wait_finished(["p0"])
         assert watcher.chunks["p0"][-1].policy_version == 7
-        assert agent.stats_snapshot().policy_version == 7
+        stats = agent.stats_snapshot()
+        assert stats.policy_version == 7
+        assert stats.prefix_cache_tokens > 0  # the finished turn's context stays cached for the next turn
     finally:
         await agent.stop()
 

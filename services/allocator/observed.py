@@ -102,6 +102,7 @@ def engine_view(s: EngineStats, target_role: str = "", role: str = "") -> Engine
         target_role=target_role if target_role and target_role != current else "",
         prefill_tokens_per_s=s.prefill_tokens_per_s,
         decode_tokens_per_s=s.decode_tokens_per_s,
+        prefix_cache_tokens=s.prefix_cache_tokens,
     )
 
 

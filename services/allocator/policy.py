@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import ClassVar
 
 from proto.messages import ROLES
 
@@ -50,6 +51,7 @@ class EngineView:
     # performance model online compare these with the model (e.g. prorsa's EWMA of observed / modelled rate).
     prefill_tokens_per_s: float = 0.0  # prompt tokens it prefilled per second
     decode_tokens_per_s: float = 0.0  # output tokens it generated per second
+    prefix_cache_tokens: int = 0  # prompt tokens its prefix cache holds for later turns (0 = not measured)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -104,6 +106,9 @@ class AllocatorPolicy(ABC):
 
     name: str = "base"
     interval_s: float = 5.0  # seconds between decisions
+    # Whether `plan` reads `ClusterView.forecast`: the simulator builds its forecaster feed only for such policies,
+    # so a policy that ignores the forecast runs without the feed's cost.
+    uses_forecast: ClassVar[bool] = False
 
     @abstractmethod
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:

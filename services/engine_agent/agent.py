@@ -288,4 +288,5 @@ class EngineAgent(Service):
             switching=self.role_state.switching,
             last_switch_s=self.last_switch_s,
             in_flight_tokens=r.in_flight_tokens(),
+            prefix_cache_tokens=max(0, b.prefix_cache_tokens),
         )

@@ -92,6 +92,7 @@ class BackendStats:
     kv_used_tokens: int
     kv_capacity_tokens: int
     max_batch: int  # most sequences in one batch (vLLM max_num_seqs)
+    prefix_cache_tokens: int = 0  # prompt tokens held for reuse by later turns (0 = the engine does not say)
 
 
 @runtime_checkable

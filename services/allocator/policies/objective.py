@@ -14,8 +14,8 @@ ones `moves_for_split` picks):
 * delay: a mover serves its new role only after min(drain, drain_timeout) + role_switch seconds; the role that gains
   engines loses that many engine-seconds, so its time grows by lost / (its engines) (spread over the whole fleet
   when the target has a mixed engine);
-* recompute: a prefill engine that leaves drops the prefix cache it holds (its KV in use, as a proxy), and decodes
-  that outlast the drain timeout are migrated by re-prefill (their KV): both add to Wp.
+* recompute: a prefill engine that leaves drops the prefix cache it holds (as its stats report it, else its KV
+  in use), and decodes that outlast the drain timeout are migrated by re-prefill (their KV): both add to Wp.
 With M mixed engines (chunked prefill + decode in one step), T is the least time at which the mixed engines' chunked
 prefill covers what the P prefill engines leave of Wp, and their remaining steps decode what the D decode engines
 leave of Wd (found by bisection; the time is monotone in the work).
@@ -72,7 +72,8 @@ def move_costs(view: ClusterView, cap: CapacityModel, drain_timeout_s: float, ra
             )
             lost_tokens = 0.0
             if role in ("prefill", "mixed"):
-                lost_tokens += e.kv_used_tokens  # its prefix cache, recomputed by the next turns elsewhere
+                # Its prefix cache, recomputed by the next turns elsewhere (KV in use when the cache is not reported).
+                lost_tokens += max(e.kv_used_tokens, e.prefix_cache_tokens)
             if role in ("decode", "mixed") and drain > drain_timeout_s:
                 lost_tokens += e.kv_used_tokens  # decodes migrated by re-prefill
             acc_s.append(acc_s[-1] + min(drain, drain_timeout_s) + switch_s)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from proto import DemandForecast, Quantiles
 from services.allocator.capacity import DEFAULT_CONTEXT_TOKENS, CapacityModel, request_means
@@ -53,6 +54,7 @@ QUANTILES = ("q10", "q50", "q90")
 @dataclass
 class ProrsaPolicy(AllocatorPolicy):
     name: str = "prorsa"
+    uses_forecast: ClassVar[bool] = True  # plans on ClusterView.forecast (the truth for `oracle`)
     interval_s: float = 5.0
     capacity: CapacityModel = field(default_factory=lambda: make_capacity(None))
     margin: float = 0.10  # relative gain a switch must promise
@@ -197,6 +199,12 @@ class ProrsaPolicy(AllocatorPolicy):
                 out.append(Split(0, n - 1, 1))
             if n >= 2 and light_decode:
                 out.append(Split(n - 1, 0, 1))
+        if self.allow_mixed >= 2 and n >= 2:
+            # Colocation and its hybrids: where chunked prefill costs decode little (no DP attention), every
+            # engine doing both beats any split that leaves one role's engines idle part of the time.
+            out.append(Split(0, 0, n))
+            out.append(Split(1, 0, n - 1))
+            out.append(Split(0, 1, n - 1))
         return [c for c in dict.fromkeys(out) if c.covers(prefill_demand, decode_demand)]
 
     def demands(self, view: ClusterView, forecast: DemandForecast | None) -> list[HorizonDemand]:

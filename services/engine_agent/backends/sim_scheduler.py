@@ -157,6 +157,7 @@ class SimScheduler:
             kv_used_tokens=self.kv_reserved,
             kv_capacity_tokens=self.p.kv_capacity_tokens,
             max_batch=self.p.max_batch,
+            prefix_cache_tokens=self.cache.used_tokens,
         )
 
     # -- stepping ------------------------------------------------------------------------------------------------
