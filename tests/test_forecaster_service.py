@@ -9,6 +9,7 @@ import proto
 from prorsa.bench.synthetic import SyntheticWorkload, generate_events
 from proto import DemandForecast, EngineEvent, Subjects
 from services.forecaster.service import ForecasterService
+from services.runtime import clock
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker.core import TrackerCore
 
@@ -56,5 +57,37 @@ async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc
         await nc.publish(S.snapshot, proto.encode(tracker.snapshot(snap.ts_s + 1.0)))
         await _wait_for(lambda: len(forecasts) == 2)
         assert svc.health_details()["forecasts"] == 2
+    finally:
+        await svc.stop()
+
+
+async def test_published_forecasts_encode_after_a_real_snapshot(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
+    """The series predictors compute with numpy: before the wire boundary converted their numpy.float64 values,
+    msgspec refused to encode the forecast and nothing was published (the TypeError under `prorsa up`)."""
+    svc = ForecasterService(nats_server.url, predictor="naive", horizons_s=(5.0, 10.0))
+    await svc.start()
+    forecasts: list[DemandForecast] = []
+
+    async def on_forecast(msg) -> None:  # noqa: ANN001
+        forecasts.append(proto.decode_as(msg.data, DemandForecast))
+
+    await nc.subscribe(S.forecast, cb=on_forecast)
+    try:
+        tracker = TrackerCore()
+        events = generate_events(SyntheticWorkload(trajectories=10, seed=5))
+        for t, ev in events[: len(events) // 2]:
+            tracker.apply(ev, t)
+            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
+            await nc.publish(subject, proto.encode(ev))
+        await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+        # Snapshots on the service's clock (its events were observed at clock.now_s()), a second apart, so the
+        # series windows close and the predictor forecasts from numpy arrays of them.
+        t0 = clock.now_s() + 1.0
+        for i in range(3):
+            await nc.publish(S.snapshot, proto.encode(tracker.snapshot(t0 + i)))
+        await _wait_for(lambda: len(forecasts) == 3)
+        assert [f.snapshot_ts_s for f in forecasts] == [t0, t0 + 1, t0 + 2]
+        assert all(f.predictor == "naive" and len(f.horizons) == 2 for f in forecasts)
+        assert svc.forecasts_published == 3
     finally:
         await svc.stop()

@@ -5,6 +5,9 @@ Wiring (the same in the live service and in the simulator):
                                  (see `learner.py` for why the events and not only the snapshots);
   observe_snapshot(snapshot, now, pending=..., decode_rate_tokens_per_s=...)
                                  every tracker snapshot: the levels of the series and the live picture;
+  observe_columns(columns, now, ...)
+                                 the same for the tracker's columnar snapshot (`TrackerCore.columns`), in process:
+                                 no per-trajectory objects, the fast path for 10,000 live trajectories;
   forecast(now)                  the configured predictor's DemandForecast for the configured horizons;
   refit_due(now) / refit_job(now) / install(result)
                                  scheduled refits: the job is a pure callable over copied data, safe to run on a
@@ -24,7 +27,13 @@ from proto import DemandForecast, LifecycleSnapshot
 from services.forecaster.base import Predictor, make_predictor
 from services.forecaster.distributions import Distributions
 from services.forecaster.learner import EventLearner
-from services.forecaster.picture import PendingArrival, build_picture
+from services.forecaster.picture import (
+    PendingArrival,
+    Picture,
+    SnapshotColumnsLike,
+    build_picture,
+    build_picture_columns,
+)
 from services.forecaster.series import HORIZONS_S, SeriesPoint, Windower
 
 
@@ -81,17 +90,36 @@ class ForecasterCore:
     ) -> None:
         """One tracker snapshot (`now` defaults to its timestamp). `pending`: the driver's upcoming first turns;
         `decode_rate_tokens_per_s`: an observed per-sequence decode rate that overrides the learned one."""
-        now = snapshot.ts_s if now is None else now
         pic = build_picture(snapshot, self.distributions, tuple(pending), decode_rate_tokens_per_s)
+        self._observe_picture(pic, now)
+
+    def observe_columns(
+        self,
+        columns: SnapshotColumnsLike,
+        now: float | None = None,
+        pending: Sequence[PendingArrival] = (),
+        decode_rate_tokens_per_s: float | None = None,
+    ) -> None:
+        """`observe_snapshot` for a columnar snapshot (the tracker's `SnapshotColumns`); same effect, same
+        forecasts, without building an object per trajectory."""
+        pic = build_picture_columns(columns, self.distributions, tuple(pending), decode_rate_tokens_per_s)
+        self._observe_picture(pic, now)
+
+    def _observe_picture(self, pic: Picture, now: float | None) -> None:
+        now = pic.ts_s if now is None else now
         self._feed(self.learner.windower.set_levels(now, pic.decode_concurrency, pic.kv_tokens))
         self.predictor.observe(pic, now)
         self.snapshots += 1
-        self.last_snapshot_ts_s = snapshot.ts_s
+        self.last_snapshot_ts_s = pic.ts_s
 
     def forecast(self, now: float, horizons: Sequence[float] | None = None) -> DemandForecast:
         fc = self.predictor.predict(now, horizons or self.horizons_s)
+        # float(): the wire boundary; msgspec cannot encode numpy scalars (a caller's `now` may be one)
         return DemandForecast(
-            ts_s=fc.ts_s, predictor=fc.predictor, horizons=fc.horizons, snapshot_ts_s=self.last_snapshot_ts_s
+            ts_s=float(fc.ts_s),
+            predictor=fc.predictor,
+            horizons=fc.horizons,
+            snapshot_ts_s=float(self.last_snapshot_ts_s),
         )
 
     # --- refits -----------------------------------------------------------------------------------------------

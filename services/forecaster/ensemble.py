@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from services.forecaster.base import MetricForecast, Predictor, clean_triple, make_predictor, register
+from services.forecaster.base import (
+    MetricForecast,
+    Predictor,
+    clean_triple,
+    linear_quantiles,
+    make_predictor,
+    register,
+)
 from services.forecaster.picture import Picture
 from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint, realised
 
@@ -149,7 +156,7 @@ class EnsemblePredictor(Predictor):
                 q10, q50, q90 = (float(x) for x in w[i, hj] @ q)
                 resid = self._residuals[i][hj]
                 if len(resid) >= self.min_residuals:  # conformal: the ensemble's own recent relative errors
-                    r10, r90 = np.quantile(np.fromiter(resid, float, len(resid)), (0.1, 0.9))
+                    r10, r90 = linear_quantiles(np.fromiter(resid, float, len(resid)), (0.1, 0.9))
                     q10, q90 = q50 * (1.0 + r10), q50 * (1.0 + r90)
                 rows.append(clean_triple(q10, q50, q90))
             out[metric] = rows

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.signal import lfilter
 
-from services.forecaster.base import MetricForecast, Predictor, Triple, clean_triple, normal_triple, register
+from services.forecaster.base import (
+    MetricForecast,
+    Predictor,
+    Triple,
+    clean_triple,
+    linear_quantiles,
+    normal_triple,
+    register,
+)
 from services.forecaster.series import FLOW_METRICS, HORIZONS_S, METRICS, SeriesPoint
 
 
@@ -85,7 +93,7 @@ def conformal_triple(
     actual = realised_ahead(x, k, metric)
     if len(actual) >= min_residuals:
         resid = (actual - levels[: len(actual)] * (k if flow else 1.0))[-calib:] * (scale if flow else 1.0)
-        r10, r50, r90 = np.quantile(resid, (0.1, 0.5, 0.9))
+        r10, r50, r90 = linear_quantiles(resid, (0.1, 0.5, 0.9))
         return clean_triple(point + r10, point + r50, point + r90)
     if len(x) < 2:
         return clean_triple(point, point, point)
