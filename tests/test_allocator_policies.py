@@ -481,7 +481,7 @@ def test_no_policy_module_reads_a_clock_or_does_io() -> None:
 
 
 def test_a_leaving_prefill_engine_costs_the_prefix_cache_it_reports() -> None:
-    from services.allocator.policies.objective import Rates, move_costs
+    from services.allocator.policies.objective import Rates, move_costs, transition
 
     view = ClusterView(
         now=0.0,
@@ -496,8 +496,46 @@ def test_a_leaving_prefill_engine_costs_the_prefix_cache_it_reports() -> None:
         decode_tokens_per_s=0.0,
     )
     costs = move_costs(view, CAP, 30.0, Rates(CAP.prefill_tokens_per_s(2048, 0), 0.0))
-    lost = sorted(
-        costs.prefill_tokens["prefill"][1:2]
-        + [costs.prefill_tokens["prefill"][2] - costs.prefill_tokens["prefill"][1]]
+    cache = costs.cache_tokens["prefill"]
+    assert sorted([cache[1], cache[2] - cache[1]]) == [1_000, 500_000]
+    # Both prefill engines become decode-only: every cached token is lost; becoming mixed keeps the cache.
+    assert transition(Split(2, 1), Split(0, 3), costs)[1] == 501_000
+    assert transition(Split(2, 1), Split(0, 1, 2), costs)[1] == 0
+
+
+def test_prorsa_starts_colocated_only_where_mixed_engines_prefill_efficiently() -> None:
+    ids = [f"e{i}" for i in range(8)]
+    qwen = make_policy("prorsa", 8, profile="qwen3-235b")
+    deepseek = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    assert qwen.colocation_efficient() and not deepseek.colocation_efficient()  # DP attention stalls ranks
+    assert set(qwen.initial_plan(ids).roles.values()) == {"mixed"}
+    assert sorted(deepseek.initial_plan(ids).roles.values()).count("prefill") == 2  # prefill_fraction 0.25
+    assert set(
+        make_policy("prorsa:initial=split", 8, profile="qwen3-235b").initial_plan(ids).roles.values()
+    ) == {
+        "prefill",
+        "decode",
+    }
+    with pytest.raises(PolicyError):
+        make_policy("prorsa:initial=sometimes", 8)
+
+
+def test_amortised_score_weighs_a_one_time_cost_against_the_time_the_split_serves() -> None:
+    from services.allocator.policies.objective import HorizonDemand, MoveCosts, Rates, score
+
+    rates = Rates(CAP.prefill_tokens_per_s(2048, 0), 0.0)
+    demands = [HorizonDemand(h, 1_000.0 * h, 3_000.0 * h, 64.0, CTX) for h in (5.0, 10.0, 30.0)]
+    costs = MoveCosts(
+        engine_s={"prefill": [0.0, 1.0, 2.0], "decode": [0.0, 1.0], "mixed": [0.0]},
+        prefill_tokens={"prefill": [0.0, 0.0, 0.0], "decode": [0.0, 0.0], "mixed": [0.0]},
+        cache_tokens={"prefill": [0.0, 400_000.0, 800_000.0], "decode": [0.0, 0.0], "mixed": [0.0]},
+        switch_s=2.0,
     )
-    assert lost == [1_000, 500_000]
+    here, there = Split(2, 1), Split(1, 2)
+    stay = score(here, here, demands, CAP, rates, costs, amortize_s=120.0)
+    move_now = score(there, here, demands, CAP, rates, costs)  # whole cost inside each horizon
+    move_long = score(there, here, demands, CAP, rates, costs, amortize_s=120.0)
+    move_longer = score(there, here, demands, CAP, rates, costs, amortize_s=1200.0)
+    steady = score(there, there, demands, CAP, rates, costs, amortize_s=120.0)
+    assert steady < stay  # the decode-heavy demand wants the second decode engine
+    assert move_now > move_long > move_longer > steady  # the cost shrinks as the split serves longer

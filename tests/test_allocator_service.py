@@ -159,7 +159,7 @@ async def test_initial_roles_then_a_decision_with_increasing_epochs_and_one_comm
 async def test_engines_joining_during_start_up_keep_the_initial_split(bus) -> None:
     url, nc, _ = bus
     engines = await fleet(nc, {"e0": "mixed", "e1": "mixed"})
-    svc = allocator(url, policy="prorsa")
+    svc = allocator(url, policy="prorsa:initial=split:prefill_fraction=0.5")
     await svc.start()
     try:
         await until(lambda: sorted(e.role for e in engines.values()) == ["decode", "prefill"])
@@ -175,7 +175,7 @@ async def test_engines_joining_during_start_up_keep_the_initial_split(bus) -> No
 async def test_a_command_that_times_out_is_not_retried(bus) -> None:
     url, nc, _ = bus
     engines = await fleet(nc, {"e0": "mixed", "e1": "mixed", "e2": "mixed"}, silent=("e0",))
-    svc = allocator(url, policy="prorsa", command_timeout_s=0.3, ack_timeout_s=30.0)
+    svc = allocator(url, policy="prorsa:initial=split", command_timeout_s=0.3, ack_timeout_s=30.0)
     await svc.start()
     try:
         await until(lambda: svc.counters["command_timeouts"] == 1)
@@ -278,7 +278,7 @@ HOSTILE = [
 async def test_hostile_payloads_on_every_consumed_subject_do_not_crash_it(bus) -> None:
     url, nc, watcher = bus
     engines = await fleet(nc, {"e0": "mixed", "e1": "mixed"})
-    svc = allocator(url, policy="prorsa")
+    svc = allocator(url, policy="prorsa:initial=split:prefill_fraction=0.5")
     await svc.start()
     try:
         await until(lambda: len(watcher.plans) >= 2)

@@ -140,13 +140,25 @@ class CapacityModel:
         )
 
     def mixed_tokens_per_s(
-        self, decode_batch: float, context_per_seq_tokens: float, cached_tokens: float = 0.0
+        self,
+        decode_batch: float,
+        context_per_seq_tokens: float,
+        cached_tokens: float = 0.0,
+        prompt_tokens: float | None = None,
     ) -> tuple[float, float, float]:
-        """One mixed engine: (prefill tok/s while chunking, decode tok/s while chunking, decode tok/s otherwise)."""
+        """One mixed engine: (prefill tok/s while chunking, decode tok/s while chunking, decode tok/s otherwise).
+
+        `prompt_tokens` (uncached tokens per prompt; None = a backlog on every rank): with DP attention a prompt
+        lives on one rank, so a step carries one prompt's chunk and every rank waits for it — the chunk then
+        costs dp_ranks times its compute (perf_model.mixed_step_time_s). With no DP attention it changes nothing
+        but the chunk size."""
         p = self.profile
         ctx = max(1.0, context_per_seq_tokens)
         b = min(max(0, math.ceil(decode_batch)), self.decode_batch_limit(ctx))
-        chunk = p.mixed_chunk_tokens * p.dp_ranks  # every rank carries a chunk when there is a backlog
+        if prompt_tokens is None or p.dp_ranks == 1:
+            chunk = p.mixed_chunk_tokens * p.dp_ranks  # every rank carries a chunk
+        else:
+            chunk = max(1, min(round(prompt_tokens), p.mixed_chunk_tokens))
         step = pm.mixed_step_time_s(p, chunk, b, round(b * ctx), prefill_cached_tokens=round(cached_tokens))
         pure = self.modelled_decode_tokens_per_s(b, ctx) if b else 0.0
         return (

@@ -32,7 +32,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from proto import DemandForecast, Quantiles
-from services.allocator.capacity import DEFAULT_CONTEXT_TOKENS, CapacityModel, request_means
+from services.allocator.capacity import (
+    DEFAULT_CONTEXT_TOKENS,
+    DEFAULT_ISL_TOKENS,
+    CapacityModel,
+    request_means,
+)
 from services.allocator.policies.common import (
     DECODE_CAPABLE,
     Split,
@@ -61,10 +66,15 @@ class ProrsaPolicy(AllocatorPolicy):
     min_gain: float = 0.02  # absolute gain, in fractions of the horizon
     persist: int = 2  # decisions in a row the same direction must win
     quantile: str = "q50"  # forecast quantile planned for
-    allow_mixed: int = 1  # consider one mixed engine for a role with little work
+    allow_mixed: int = 2  # 1: one mixed engine may stand in for a role with little work; 2: also full colocation where efficient
     drain_timeout_s: float = 30.0  # decodes outlasting this are migrated by re-prefill (RoleSwitchCommand)
+    amortize_s: float = 120.0  # a move's one-time cost is weighed against this long a split serves (objective.score)
+    # start-up roles: "split" (prefill_fraction of the engines prefill), "mixed", or "auto" (`colocation_efficient`)
+    initial: str = "auto"
     fallback_horizons_s: tuple[float, ...] = (10.0, 30.0)
-    prefill_fraction: float = 0.5  # start-up share of prefill engines
+    # start-up share of prefill engines: agentic turns are decode-bound once prefix caching serves the context
+    # (SWE trace: new prompt tokens per turn ≈ 0.6 × output tokens in steady state, DESIGN.md)
+    prefill_fraction: float = 0.25
     require_forecast: bool = False
     # split → score at the last decision (logs, tests)
     last_scores: dict[str, float] = field(default_factory=dict)
@@ -76,13 +86,28 @@ class ProrsaPolicy(AllocatorPolicy):
             raise PolicyError(
                 f"{self.name}: quantile must be one of {', '.join(QUANTILES)}, got {self.quantile!r}"
             )
+        if self.initial not in ("split", "mixed", "auto"):
+            raise PolicyError(f"{self.name}: initial must be split, mixed or auto, got {self.initial!r}")
         if self.persist < 1:
             raise PolicyError(f"{self.name}: persist must be >= 1")
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
+        if self.initial == "mixed" or (self.initial == "auto" and self.colocation_efficient()):
+            return Plan(
+                roles=dict.fromkeys(engine_ids, "mixed"), reason=f"{self.name}: initial roles (colocated)"
+            )
         return Plan(
             roles=initial_roles(engine_ids, self.prefill_fraction), reason=f"{self.name}: initial roles"
         )
+
+    def colocation_efficient(self) -> bool:
+        """Whether a mixed engine prefills at least half as fast as a dedicated one (at the default prompt and a
+        half-full decode batch): then colocation wastes little and starts without a split to guess. With DP
+        attention a prompt chunk on one rank stalls every rank's decode, and a split starts ahead."""
+        ctx = DEFAULT_CONTEXT_TOKENS
+        batch = self.capacity.decode_batch_limit(ctx) / 2
+        mixed_prefill, _, _ = self.capacity.mixed_tokens_per_s(batch, ctx, 0.0, DEFAULT_ISL_TOKENS)
+        return mixed_prefill >= 0.5 * self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS, 0.0)
 
     def plan(self, view: ClusterView) -> Plan | None:
         forecast = forecast_of(view)
@@ -98,16 +123,16 @@ class ProrsaPolicy(AllocatorPolicy):
             self._pending, self._pending_count = None, 0
             return floor_fix(view, self.name)  # nothing to plan for; only repair an empty role with demand
         isl, cached, _ = request_means(view)
-        rates = Rates(self.capacity.prefill_tokens_per_s(isl, cached), cached)
+        rates = Rates(self.capacity.prefill_tokens_per_s(isl, cached), cached, isl)
         costs = move_costs(view, self.capacity, self.drain_timeout_s, rates)
         scored = self._search(
             current,
             self.candidates(len(view.engines), prefill_demand, decode_demand, demands, rates),
-            lambda c: score(c, current, demands, self.capacity, rates, costs),
+            lambda c: score(c, current, demands, self.capacity, rates, costs, self.amortize_s),
         )
         current_score = scored.get(current)
         if current_score is None:
-            current_score = score(current, current, demands, self.capacity, rates, costs)
+            current_score = score(current, current, demands, self.capacity, rates, costs, self.amortize_s)
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
         return self._decide(view, current, best, current_score, scored[best], prefill_demand, decode_demand)
@@ -199,12 +224,13 @@ class ProrsaPolicy(AllocatorPolicy):
                 out.append(Split(0, n - 1, 1))
             if n >= 2 and light_decode:
                 out.append(Split(n - 1, 0, 1))
-        if self.allow_mixed >= 2 and n >= 2:
-            # Colocation and its hybrids: where chunked prefill costs decode little (no DP attention), every
-            # engine doing both beats any split that leaves one role's engines idle part of the time.
+        if self.allow_mixed >= 2 and n >= 2 and self.colocation_efficient():
+            # Colocation: where chunked prefill costs decode little (no DP attention), every engine doing both
+            # beats any split that leaves one role's engines idle part of the time. Hybrids (a few prefill
+            # engines beside mixed ones) are not offered: affinity routing sends most turns to the mixed engine
+            # that holds their cache, so the objective's model of them (prefill served by the dedicated engines
+            # first) does not hold.
             out.append(Split(0, 0, n))
-            out.append(Split(1, 0, n - 1))
-            out.append(Split(0, 1, n - 1))
         return [c for c in dict.fromkeys(out) if c.covers(prefill_demand, decode_demand)]
 
     def demands(self, view: ClusterView, forecast: DemandForecast | None) -> list[HorizonDemand]:
@@ -266,9 +292,11 @@ _OPTIONS: dict[str, float | int | str] = {
     "min_gain": 0.02,
     "persist": 2,
     "quantile": "q50",
-    "allow_mixed": 1,
+    "allow_mixed": 2,
     "drain_timeout_s": 30.0,
-    "prefill_fraction": 0.5,
+    "prefill_fraction": 0.25,
+    "amortize_s": 120.0,
+    "initial": "auto",
 }
 
 
