@@ -1,5 +1,7 @@
 """Every allocator policy on the same workload, profile and seed, in one run (so comparisons are ratios from one
-run). `static:best` sweeps every P:D split of the fleet and keeps the one with the lowest average trajectory time."""
+run). `static:best` sweeps every P:D split of the fleet and keeps the one with the lowest average trajectory time.
+`oracle` runs as passes (`prorsa.sim.oracle`) whose first is a `prorsa` run: when the same `prorsa` spec is
+asked for too, that run is done once and serves both (recording it changes nothing in it)."""
 
 from __future__ import annotations
 
@@ -42,16 +44,18 @@ def compare_policies(
 ) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """Run every policy; returns (result rows in the order asked, full JSON per simulated policy).
 
-    A policy that cannot run on this configuration (e.g. `oracle` without a truth forecast) gets a row with an
-    `error` instead of figures. `static:best` gets the row of the best static split, named in `chosen`.
+    A policy that cannot run on this configuration gets a row with an `error` instead of figures. `static:best`
+    gets the row of the best static split, named in `chosen`.
     """
     full: dict[str, dict] = {}
     errors: dict[str, str] = {}
-    for spec in expand_policies(specs, base.engines):
+    expanded = expand_policies(specs, base.engines)
+    firsts: dict[str, Any] = {}
+    for spec in expanded:
         if progress is not None:
             progress(spec)
         try:
-            full[spec] = run_simulation(dataclasses.replace(base, policy=spec)).to_json()
+            full[spec] = _run(dataclasses.replace(base, policy=spec), expanded, firsts)
         except ValueError as exc:  # PolicyError and WorkloadError are ValueErrors
             errors[spec] = str(exc)
     rows: list[dict[str, Any]] = []
@@ -68,6 +72,24 @@ def compare_policies(
         else:
             rows.append({"policy": spec, **_figures(full[spec])})
     return rows, full
+
+
+def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict[str, Any]:
+    """One policy's JSON; a `prorsa` run that an `oracle` of `expanded` starts from is recorded and kept in
+    `firsts` (spec -> (SimResult, DemandRecord)) for it."""
+    oracles = [s for s in expanded if s.split(":")[0] == "oracle"]
+    if not oracles:
+        return run_simulation(config).to_json()
+    from prorsa.sim.oracle import first_pass, first_pass_spec, run_oracle  # the forecaster is heavy to import
+
+    if config.policy in {first_pass_spec(s) for s in oracles}:
+        first = first_pass(config)
+        firsts[config.policy] = first
+        return first[0].to_json()
+    if config.policy in oracles:
+        first = firsts.get(first_pass_spec(config.policy))
+        return run_oracle(config, first).to_json()
+    return run_simulation(config).to_json()
 
 
 def _figures(result: dict[str, Any]) -> dict[str, Any]:

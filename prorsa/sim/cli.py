@@ -38,6 +38,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-bound-s", type=float, default=5.0, help="switching: keep decodes ending within"
     )
+    parser.add_argument(
+        "--forecaster",
+        default="prorsa",
+        help="demand predictor fed to policies that plan on forecasts (prorsa, oracle's first pass): "
+        "naive, ewma, ets, arima, lifecycle, prorsa",
+    )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     parser.add_argument(
         "--plot", dest="plot_path", metavar="FILE", help="plot demand vs capacity (PNG, PDF, SVG)"
@@ -61,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         batch_size=args.batch_size,
         group_size=args.group_size,
         drain_bound_s=args.drain_bound_s,
+        forecaster=args.forecaster,
     )
 
 

@@ -17,7 +17,7 @@ from prorsa.sim.engine import SimEngine
 from prorsa.sim.metrics import Metrics
 from prorsa.sim.router import Router
 from prorsa.sim.state import Request, Traj
-from prorsa.sim.views import ViewBuilder
+from prorsa.sim.views import DemandFeed, ViewBuilder
 from services.allocator.policy import AllocatorPolicy, ClusterView, FixedRolesPolicy
 from services.runtime.perf_model import ModelProfile
 
@@ -35,6 +35,7 @@ class Simulation:
         profile: ModelProfile,
         policy: AllocatorPolicy,
         observer: ev.SimObserver | None = None,
+        feed: DemandFeed | None = None,
     ) -> None:
         self.config = config
         self.profile = profile
@@ -56,7 +57,8 @@ class Simulation:
             self.router.engine_available(engine, 0.0)
         self.now = 0.0
         self.plans_applied = 0
-        self._views = ViewBuilder(self)
+        self.feed = feed  # fills the views' forecast and snapshot (None: the policy reads neither)
+        self._views = ViewBuilder(self, feed)
         self.events_processed = 0
         # A fixed-roles policy (colocated, static) only ever re-asserts its initial roles: while every engine
         # serves (or is heading for) its role there, its decision is known to be None without building a view.
@@ -69,43 +71,66 @@ class Simulation:
         limit = self.config.duration_s if self.config.duration_s is not None else float("inf")
         self.driver.start(0.0)
         self.queue.push(self.policy.interval_s, ev.POLICY_TICK)
-        heap, driver = self.queue.heap, self.driver
+        heap, due, more, driver = self.queue.heap, self.queue.due, self.queue.more, self.driver
         pop = heapq.heappop
-        wake, arrival, handoff, training_done = (
-            ev.ENGINE_WAKE,
-            ev.ARRIVAL,
-            ev.HANDOFF_ARRIVE,
-            ev.TRAINING_DONE,
-        )
+        wake, arrival, handoff = ev.ENGINE_WAKE, ev.ARRIVAL, ev.HANDOFF_ARRIVE
         t, events = 0.0, 0
         # Dispatch inlined (an if-chain by frequency beats a table of lambdas by one call per event).
         while heap:
-            t, _, kind, a, b = pop(heap)
+            t = pop(heap)
             if t > limit:
                 t = limit
                 break
+            kind, a, b = due.pop(t)
+            if more and t in more:  # several events due at exactly t: run them all, in order
+                events += self._run_tied(t, [(kind, a, b), *more.pop(t)])
+                if driver.finished_s is not None:
+                    break
+                continue
             events += 1
             if kind == wake:
-                a.on_wake(b, t)
+                if b == a._token:  # else superseded by a replan
+                    a.on_wake(t)
             elif kind == arrival:
                 driver.on_arrival(a, t)
             elif kind == handoff:
                 a.on_handoff_arrive(b, t)
-            elif kind == ev.RECONFIG_DONE:
-                a.on_reconfig_done(b, t)
-            elif kind == ev.POLICY_TICK:
-                self._policy_tick(t)
-            elif kind == training_done:
-                driver.on_training_done(a, t)
+            else:
+                self._dispatch(kind, a, b, t)
                 if driver.finished_s is not None:
                     break  # the last batch is trained
-            else:
-                raise AssertionError(f"unknown event kind {kind}")
         self.events_processed = events
         end = t if driver.finished_s is None else driver.finished_s
         self.now = end
         self.metrics.finish(end)
         return end
+
+    def _run_tied(self, t: float, batch: list[tuple[int, Any, Any]]) -> int:
+        """Run events due at the same time `t` in order, until the last batch is trained; returns how many ran."""
+        for n, (kind, a, b) in enumerate(batch, 1):
+            if kind == ev.ENGINE_WAKE:
+                if b == a._token:
+                    a.on_wake(t)
+            else:
+                self._dispatch(kind, a, b, t)
+            if self.driver.finished_s is not None:
+                return n
+        return len(batch)
+
+    def _dispatch(self, kind: int, a: Any, b: Any, t: float) -> None:
+        """The less frequent event kinds (and any kind, for events that tie in time)."""
+        if kind == ev.ARRIVAL:
+            self.driver.on_arrival(a, t)
+        elif kind == ev.HANDOFF_ARRIVE:
+            a.on_handoff_arrive(b, t)
+        elif kind == ev.RECONFIG_DONE:
+            a.on_reconfig_done(b, t)
+        elif kind == ev.POLICY_TICK:
+            self._policy_tick(t)
+        elif kind == ev.TRAINING_DONE:
+            self.driver.on_training_done(a, t)
+        else:
+            raise AssertionError(f"unknown event kind {kind}")
 
     # -- callbacks from engines ------------------------------------------------------------------------------------
 

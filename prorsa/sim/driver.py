@@ -123,7 +123,16 @@ class Driver:
         self._next_rid += 1
         req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
-        sim.metrics.on_turn_submitted(now, turn.new_prompt_tokens)
+        metrics, new_tokens = (
+            sim.metrics,
+            turn.new_prompt_tokens,
+        )  # Metrics.on_turn_submitted, inlined (per turn)
+        metrics.turns_submitted += 1
+        metrics.new_prompt_tokens += new_tokens
+        row, index = metrics.demand_row, int(now / metrics.window_s)
+        if len(row) <= index:
+            row.extend([0.0] * (index + 1 - len(row)))
+        row[index] += new_tokens
         if observed:
             sim.emit(
                 ev.TURN_SUBMITTED,

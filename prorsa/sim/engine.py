@@ -35,6 +35,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
+from prorsa.sim.metrics import spread
 from prorsa.sim.state import Request
 from prorsa.sim.stepcost import step_cost
 from prorsa.sim.switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
@@ -56,7 +57,7 @@ class SimEngine(RoleSwitching):
     # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
     # them every attribute access on the hot path is a dict lookup.
     __slots__ = ("engine_id", "p", "role", "sim", "router", "metrics", "cache", "state", "target_role")
-    __slots__ += ("_busy_s", "_push", "_heap", "_seq", "_cost")
+    __slots__ += ("_busy_s", "_push", "_heap", "_due", "_more", "_cost")
     __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
     __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
@@ -71,7 +72,8 @@ class SimEngine(RoleSwitching):
         self.metrics = sim.metrics
         self._busy_s = sim.metrics.busy_s  # role → busy seconds, added to at the end of every activity
         self._push = sim.queue.push
-        self._heap, self._seq = sim.queue.heap, sim.queue.seq  # for the per-step wake-ups
+        # For the per-step wake-ups, which inline `EventQueue.push`.
+        self._heap, self._due, self._more = sim.queue.heap, sim.queue.due, sim.queue.more
         self._cost = step_cost(profile)  # the perf model's formulas, precomputed for this profile
         self.state = ACTIVE
         self.target_role = ""
@@ -166,10 +168,7 @@ class SimEngine(RoleSwitching):
         self._reserve(kv)
         self.incoming += 1
         self.metrics.handoffs += 1
-        heapq.heappush(
-            self._heap,
-            (now + self._cost.kv_transfer_s(req.context_tokens), next(self._seq), HANDOFF_ARRIVE, self, req),
-        )
+        self._push(now + self._cost.kv_transfer_s(req.context_tokens), HANDOFF_ARRIVE, self, req)
 
     def on_handoff_arrive(self, req: Request, now: float) -> None:
         self.incoming -= 1
@@ -197,14 +196,19 @@ class SimEngine(RoleSwitching):
 
     # -- the step loop --------------------------------------------------------------------------------------------
 
-    def on_wake(self, token: int, now: float) -> None:
-        if token != self._token:
-            return  # superseded by a replan
-        if self.activity == JUMP:  # _complete, inlined for the most frequent activity
+    def on_wake(self, now: float) -> None:
+        """The activity in progress ends (the event loop has checked the wake-up's token: not superseded)."""
+        activity = self.activity
+        if activity == JUMP:  # _complete, inlined for the two most frequent activities
             t0 = self._t_start
             self.activity = IDLE
             self._busy_s[self.role] += now - t0
             self._apply_decode_steps(self._jump_steps, t0, now)
+        elif activity == PREFILL_STEP:
+            t0 = self._t_start
+            self.activity = IDLE
+            self._busy_s[self.role] += now - t0
+            self._apply_chunks(t0, now)
         else:
             self._complete(now)
         self._boundary(now)
@@ -274,7 +278,20 @@ class SimEngine(RoleSwitching):
         self.activity = kind
         self._t_start = now
         self._token = token = self._token + 1
-        heapq.heappush(self._heap, (now + duration_s, next(self._seq), ENGINE_WAKE, self, token))
+        t = now + duration_s
+        if t in self._due:  # _wake_at, inlined (once per prefill step)
+            ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
+        else:
+            self._due[t] = (ENGINE_WAKE, self, token)
+            heapq.heappush(self._heap, t)
+
+    def _wake_at(self, t: float, token: int) -> None:
+        """Schedule this engine's wake-up at `t` (`EventQueue.push`, inlined)."""
+        if t in self._due:
+            ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
+        else:
+            self._due[t] = (ENGINE_WAKE, self, token)
+            heapq.heappush(self._heap, t)
 
     # -- prefill ----------------------------------------------------------------------------------------------------
 
@@ -311,17 +328,26 @@ class SimEngine(RoleSwitching):
         if hit is None:
             t = req.traj
             hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
-        hit = min(hit, req.context_tokens - 1)  # the last prompt token is always recomputed (vLLM does)
-        req.hit_tokens = max(hit, 0)
-        req.to_compute_tokens = req.context_tokens - req.hit_tokens
+        context = req.context_tokens
+        hit = min(hit, context - 1)  # the last prompt token is always recomputed (vLLM does)
+        if hit < 0:
+            hit = 0
+        req.hit_tokens = hit
+        req.to_compute_tokens = to_compute = context - hit
         req.computed_tokens = 0
         self.active.append(req)
-        self._active_left += req.to_compute_tokens
+        self._active_left += to_compute
         if self.role == "mixed":
             req.engine = self
-            req.kv_tokens = req.context_tokens + req.output_tokens
+            req.kv_tokens = context + req.output_tokens
             self._reserve(req.kv_tokens)
-        self.metrics.on_prefill_started(req.context_tokens, req.hit_tokens, req.migrated)
+        metrics = self.metrics  # Metrics.on_prefill_started, inlined (once per turn)
+        if req.migrated:
+            metrics.migration_hit_tokens += hit
+        else:
+            metrics.prefill_starts += 1
+            metrics.prompt_tokens += context
+            metrics.prefix_hit_tokens += hit
 
     def _mixed_step_s(self) -> float:
         total = sum(n for _, n in self._chunks)
@@ -358,8 +384,19 @@ class SimEngine(RoleSwitching):
                 self.active.remove(req)
                 self._prefill_finished(req, now)
         self._chunks = []
-        self.prefill_tokens_done += computed + recomputed + wasted
-        self.metrics.on_prefill_step(t0, now, computed, recomputed, wasted)
+        done = computed + recomputed + wasted
+        self.prefill_tokens_done += done
+        # Metrics.on_prefill_step, inlined (once per prefill step), with `spread`'s common case: inside one window.
+        metrics = self.metrics
+        metrics.prefill_computed_tokens += computed
+        metrics.migration_recompute_tokens += recomputed
+        metrics.wasted_prefill_tokens += wasted
+        row, w = metrics.computed_row, metrics.window_s
+        index = int(t0 / w)
+        if t0 < now and int(now / w) == index and len(row) > index:
+            row[index] += done
+        else:
+            spread(row, w, t0, now, done)
 
     def _prefill_finished(self, req: Request, now: float) -> None:
         t = req.traj
@@ -413,9 +450,12 @@ class SimEngine(RoleSwitching):
         self.activity = JUMP
         self._t_start = now
         self._token = token = self._token + 1
-        heapq.heappush(
-            self._heap, (now + (m * a + b * m * (m - 1) / 2), next(self._seq), ENGINE_WAKE, self, token)
-        )
+        t = now + (m * a + b * m * (m - 1) / 2)
+        if t in self._due:  # _wake_at, inlined
+            ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
+        else:
+            self._due[t] = (ENGINE_WAKE, self, token)
+            heapq.heappush(self._heap, t)
 
     def _interrupt(self, now: float) -> None:
         """End the current jump at the first step boundary at or after `now`."""
@@ -439,7 +479,7 @@ class SimEngine(RoleSwitching):
             self._complete(now)
             self._boundary(now)
             return
-        heapq.heappush(self._heap, (end, next(self._seq), ENGINE_WAKE, self, self._token))
+        self._wake_at(end, self._token)
 
     def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
         if m <= 0:
@@ -448,7 +488,15 @@ class SimEngine(RoleSwitching):
         tokens = len(seqs) * m
         self.steps_done = steps = self.steps_done + m
         self.decode_tokens_done += tokens
-        self.metrics.on_decoded(t0, now, tokens)
+        metrics = self.metrics
+        metrics.decoded_tokens += tokens
+        # Metrics.on_decoded, inlined (once per decode jump): its common case, a jump inside one window.
+        row, w = metrics.decode_row, metrics.window_s
+        index = int(t0 / w)
+        if t0 < now and int(now / w) == index and len(row) > index:
+            row[index] += tokens
+        else:
+            spread(row, w, t0, now, tokens)
         if self.sim.observer is not None:
             self.sim.emit_decode_progress(self, now)
         heap = self._finish_heap

@@ -103,7 +103,11 @@ def spread(row: list[float], window_s: float, t0: float, t1: float, amount: floa
 
 
 class Metrics:
-    """All counters of one run. Engines and the driver call the `on_*` methods with virtual times."""
+    """All counters of one run. Engines and the driver call the `on_*` methods with virtual times.
+
+    `on_turn_submitted` (in `Driver.on_arrival`), `on_prefill_started`, `on_prefill_step` and `on_decoded` (in
+    `SimEngine`) are inlined at their once-per-turn or once-per-step call sites; a change here goes there too.
+    """
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.windows = Windows(window_s)
@@ -134,11 +138,11 @@ class Metrics:
         self.busy_s: dict[str, float] = dict.fromkeys(ROLE_NAMES, 0.0)
         self._role_count: dict[str, int] = dict.fromkeys((*ROLE_NAMES, SWITCHING), 0)
         self._role_since = 0.0
-        # The per-step series, held directly (they are touched on every engine step and turn).
-        self._window_s = window_s
-        self._demand_row = self.windows.row("prefill_demand")
-        self._computed_row = self.windows.row("prefill_computed")
-        self._decode_row = self.windows.row("decode_tokens")
+        # The per-step series, held directly (touched on every engine step and turn; engines add to `decode_row`).
+        self.window_s = window_s
+        self.demand_row = self.windows.row("prefill_demand")
+        self.computed_row = self.windows.row("prefill_computed")
+        self.decode_row = self.windows.row("decode_tokens")
 
     # -- engine roles -----------------------------------------------------------------------------------------
 
@@ -167,7 +171,7 @@ class Metrics:
     def on_turn_submitted(self, now: float, new_tokens: int) -> None:
         self.turns_submitted += 1
         self.new_prompt_tokens += new_tokens
-        row, index = self._demand_row, int(now / self._window_s)
+        row, index = self.demand_row, int(now / self.window_s)
         if len(row) <= index:
             row.extend([0.0] * (index + 1 - len(row)))
         row[index] += new_tokens
@@ -185,12 +189,12 @@ class Metrics:
         self.prefill_computed_tokens += computed
         self.migration_recompute_tokens += recomputed
         self.wasted_prefill_tokens += wasted
-        spread(self._computed_row, self._window_s, t0, t1, computed + recomputed + wasted)
+        spread(self.computed_row, self.window_s, t0, t1, computed + recomputed + wasted)
 
     def on_decoded(self, t0: float, t1: float, tokens: int) -> None:
         self.decoded_tokens += tokens
         # `spread`'s common case inlined (a decode jump inside one window): once per decode jump.
-        row, w = self._decode_row, self._window_s
+        row, w = self.decode_row, self.window_s
         index = int(t0 / w)
         if t0 < t1 and int(t1 / w) == index and len(row) > index:
             row[index] += tokens

@@ -141,8 +141,13 @@ class Router:
         n = len(pool)
         if n > _SCAN_LIMIT:
             # Two random picks; `decode_load` and `has_decode_room` inlined (once per handoff).
-            a = pool[int(self._uniform() * n)]
-            b = pool[int(self._uniform() * n)]
+            draws = self._draws
+            if len(draws) >= 2:  # _uniform twice, inlined (the same draws in the same order)
+                a = pool[int(draws.pop() * n)]
+                b = pool[int(draws.pop() * n)]
+            else:
+                a = pool[int(self._uniform() * n)]
+                b = pool[int(self._uniform() * n)]
             load_a = len(a.seqs) + len(a.arrivals) + a.incoming + len(a.active)
             load_b = len(b.seqs) + len(b.arrivals) + b.incoming + len(b.active)
             best, held = (a, load_a) if load_a <= load_b else (b, load_b)

@@ -11,7 +11,8 @@ from prorsa.sim.core import Simulation
 from prorsa.sim.driver import MODES, StepSource
 from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
-from services.allocator.policy import make_policy
+from prorsa.sim.views import DemandFeed
+from services.allocator.policy import AllocatorPolicy, make_policy
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
 
@@ -41,6 +42,9 @@ class SimConfig:
     affinity_overload_s: float = (
         2.0  # queued prefill seconds above which a trajectory leaves its affine engine
     )
+    # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, prorsa);
+    # used only by policies that read forecasts (`AllocatorPolicy.uses_forecast`).
+    forecaster: str = "prorsa"
     observer: SimObserver | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +58,8 @@ class SimConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if not self.forecaster:
+            raise ValueError("forecaster must name a predictor")
         if self.steps is None and self.duration_s is None:
             self.steps = 1
 
@@ -78,6 +84,7 @@ class SimConfig:
             "window_s": self.window_s,
             "drain_bound_s": self.drain_bound_s,
             "affinity_overload_s": self.affinity_overload_s,
+            "forecaster": self.forecaster,
         }
 
 
@@ -89,6 +96,7 @@ class SimResult:
     sim: Simulation = field(repr=False)
     end_s: float
     wall_s: float  # wall-clock seconds of the event loop (not in to_json: the JSON is deterministic)
+    extra: dict[str, Any] = field(default_factory=dict)  # extra JSON sections (the oracle's passes)
 
     def windows(self) -> dict[str, Any]:
         m, p = self.sim.metrics, self.sim.profile
@@ -154,6 +162,7 @@ class SimResult:
             "config": self.config.echo(),
             "workload": getattr(self.sim.driver.workload, "name", "custom"),
             "profile": self.sim.profile.name,
+            **self.extra,
         }
 
 
@@ -168,11 +177,41 @@ def _load_workload(config: SimConfig) -> StepSource:
 
 
 def run_simulation(config: SimConfig) -> SimResult:
-    """Run one simulation. Raises ValueError (or WorkloadError / PolicyError) on a bad configuration."""
+    """Run one simulation. Raises ValueError (or WorkloadError / PolicyError) on a bad configuration.
+
+    A policy that reads forecasts gets the live forecast feed (`prorsa.sim.forecast_feed`, predictor
+    `config.forecaster`); `oracle` runs as documented passes (`prorsa.sim.oracle.run_oracle`)."""
     profile = load_profile(config.profile)
     policy = make_policy(config.policy, config.engines, profile=profile)
-    workload = _load_workload(config)
-    sim = Simulation(config, workload, profile, policy, observer=config.observer)
+    if policy.name == "oracle":
+        from prorsa.sim.oracle import run_oracle  # imported late: it imports this module
+
+        return run_oracle(config)
+    return simulate(config, policy, profile, _load_workload(config))
+
+
+def simulate(
+    config: SimConfig,
+    policy: AllocatorPolicy,
+    profile: pm.ModelProfile,
+    workload: StepSource,
+    feed: DemandFeed | None = None,
+) -> SimResult:
+    """One run of `policy` (built by the caller). Without a `feed`, a policy that reads forecasts gets the live
+    forecast feed. Every event goes to the feed (if it observes), then to `config.observer`."""
+    if feed is None and policy.uses_forecast:
+        from prorsa.sim.forecast_feed import live_feed  # imported late: the forecaster is heavy
+
+        workload, feed = live_feed(config, workload)
+    chain = [o for o in (feed, config.observer) if o is not None and hasattr(o, "on_event")]
+    observer: SimObserver | None = None
+    if len(chain) == 1:
+        observer = chain[0]  # type: ignore[assignment]
+    elif chain:
+        from prorsa.sim.forecast_feed import Tee
+
+        observer = Tee(*chain)  # type: ignore[arg-type]
+    sim = Simulation(config, workload, profile, policy, observer=observer, feed=feed)
     t0 = time.perf_counter()
     end = sim.run()
     return SimResult(config=config, sim=sim, end_s=end, wall_s=time.perf_counter() - t0)

@@ -3,8 +3,8 @@
 `request_switch(role, now)`: the engine leaves the router's pools (queued, unstarted prompts are re-routed),
 finishes prefills in progress, keeps decodes expected to finish within `drain_bound_s` and migrates the others
 (re-queued for prefill elsewhere with their context recomputed); handoffs that arrive while draining are forwarded
-to another decode engine. Drained, it reconfigures for `role_switch_s`, clears its prefix cache and rejoins in
-its new role. A switch back to the current role before reconfiguration starts cancels it.
+to another decode engine. Drained, it reconfigures for `role_switch_s` and rejoins in its new role; its prefix
+cache survives unless the new role is `decode`. A switch back to the current role before reconfiguration starts cancels it.
 """
 
 from __future__ import annotations
@@ -73,8 +73,12 @@ class RoleSwitching:
             return
         self.metrics.role_change(now, "switching", self.target_role)
         self.metrics.role_switches += 1
+        # Roles switch without a restart (one KV layout serves every role, as NixlConnector's kv_both does), so
+        # the prefix cache survives a move between the roles that prefill; an engine that becomes decode-only
+        # gives its KV to handed-off decodes, which have no use for it.
+        if self.target_role == "decode":
+            self.cache.clear()
         self.role, self.target_role, self.state = self.target_role, "", ACTIVE
-        self.cache.clear()
         self.cache.resize(self.p.kv_capacity_tokens)
         self.router.engine_available(self, now)
         self._poke(now)

@@ -1,12 +1,15 @@
 """What the allocator policy sees of the simulated cluster: a `ClusterView` per decision.
 
 Rates and request statistics cover the interval since the previous view (the policy's interval), measured from
-cumulative counters, as the live allocator measures them from engine stats.
+cumulative counters, as the live allocator measures them from engine stats. `forecast` and `snapshot` come from a
+`DemandFeed` when the run has one (a policy that reads forecasts: `prorsa.sim.forecast_feed`, or the oracle's truth,
+`prorsa.sim.oracle`), else they stay None.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from prorsa.sim.engine import ACTIVE, SimEngine
 from services.allocator.policy import ClusterView, EngineView
@@ -15,11 +18,20 @@ if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
 
 
+class DemandFeed(Protocol):
+    """What fills a view's `snapshot` and `forecast`: asked once per decision, with the engines' state at `now`."""
+
+    def at(self, now: float, engines: Iterable[SimEngine]) -> tuple[object | None, object | None]:
+        """(lifecycle snapshot, demand forecast) from what happened up to `now`."""
+        ...
+
+
 class ViewBuilder:
     """Builds `ClusterView`s; remembers the counters of the previous one to turn totals into interval rates."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulation, feed: DemandFeed | None = None) -> None:
         self.sim = sim
+        self.feed = feed
         self._t = 0.0
         self._engine_done: dict[str, tuple[int, int]] = {}  # engine_id → (prefill, decode) tokens done
         self._computed = 0
@@ -38,6 +50,9 @@ class ViewBuilder:
         computed = m.prefill_computed_tokens + m.migration_recompute_tokens
         starts = m.prefill_starts - self._starts
         finished = m.turns_finished - self._finished
+        snapshot, forecast = (
+            self.feed.at(now, sim.engines.values()) if self.feed is not None else (None, None)
+        )
         view = ClusterView(
             now=now,
             engines=engines,
@@ -46,6 +61,8 @@ class ViewBuilder:
             decode_queue_len=len(sim.router.handoffs),
             prefill_tokens_per_s=(computed - self._computed) / dt if dt > 0 else 0.0,
             decode_tokens_per_s=(m.decoded_tokens - self._decoded) / dt if dt > 0 else 0.0,
+            forecast=forecast,
+            snapshot=snapshot,
             recent_window_s=dt,
             recent_requests=m.turns_submitted - self._submitted,
             recent_mean_isl_tokens=((m.prompt_tokens - self._prompt) - (m.prefix_hit_tokens - self._hits))
@@ -80,4 +97,5 @@ class ViewBuilder:
             target_role=e.target_role,
             prefill_tokens_per_s=(e.prefill_tokens_done - prefill0) / dt if dt > 0 else 0.0,
             decode_tokens_per_s=(e.decode_tokens_done - decode0) / dt if dt > 0 else 0.0,
+            prefix_cache_tokens=e.cache.used_tokens,
         )

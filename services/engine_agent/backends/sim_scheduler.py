@@ -145,9 +145,11 @@ class SimScheduler:
         return seq
 
     def set_role(self, role: str) -> None:
-        """Reconfigured for `role`: cached KV is no longer valid."""
+        """Reconfigured for `role`. The prefix cache survives between the roles that prefill (no restart: one KV
+        layout serves every role); a decode-only engine gives its KV to handed-off decodes."""
         self.role = role
-        self.cache.clear()
+        if role == "decode":
+            self.cache.clear()
         self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
 
     def stats(self) -> BackendStats:
