@@ -68,7 +68,9 @@ class ProrsaPolicy(AllocatorPolicy):
     quantile: str = "q50"  # forecast quantile planned for
     allow_mixed: int = 2  # 1: one mixed engine may stand in for a role with little work; 2: also full colocation where efficient
     drain_timeout_s: float = 30.0  # decodes outlasting this are migrated by re-prefill (RoleSwitchCommand)
-    amortize_s: float = 120.0  # a move's one-time cost is weighed against this long a split serves (objective.score)
+    amortize_s: float = (
+        120.0  # a move's one-time cost is weighed against this long a split serves (objective.score)
+    )
     # start-up roles: "split" (prefill_fraction of the engines prefill), "mixed", or "auto" (`colocation_efficient`)
     initial: str = "auto"
     fallback_horizons_s: tuple[float, ...] = (10.0, 30.0)
