@@ -3,7 +3,7 @@
 For each paper-like profile (qwen3-235b, deepseek-v3.2, mimo-v2.5-pro) and each RL mode (on-policy sync, async with
 staleness 2 and 8), every policy runs on the same workload and seed (`prorsa.bench.compare`), and the table gives the
 average trajectory completion time of each, with `colocated / prorsa` beside the ratio the paper reports. Defaults:
-the SWE-agent trace, 8 engines, 256 trajectories per step (enough to keep 8 engines busy, so the split matters),
+the SWE-agent trace, 8 engines, 128 trajectories per step (enough to keep 8 engines busy, so the split matters),
 2 steps; every option of the run is echoed in the JSON. Deterministic: the same options give the same table.
 """
 
@@ -38,10 +38,13 @@ PAPER_SPEEDUP: dict[str, tuple[float, float, float]] = {
 class Table2Options:
     workload: str = "swe"
     engines: int = 8
-    batch_size: int = 256
+    batch_size: int = 128
     steps: int = 2
     training_s: float = 60.0
     seed: int = 0
+    # The forecaster feeding prorsa's decisions. `lifecycle` by default: the `prorsa` ensemble adds statsmodels
+    # refits (~2 s each) and, on the runs measured for docs/benchmarks.md, led to the same decisions.
+    forecaster: str = "lifecycle"
     profiles: tuple[str, ...] = PROFILES
     policies: tuple[str, ...] = POLICIES
 
@@ -61,6 +64,7 @@ def run_table2(opts: Table2Options, progress: Callable[[str], None] | None = Non
                 seed=opts.seed,
                 steps=opts.steps,
                 batch_size=opts.batch_size,
+                forecaster=opts.forecaster,
             )
             t0 = time.perf_counter()
             rows, _ = compare_policies(
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--training-s", type=float, default=d.training_s)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--forecaster", default=d.forecaster, help="predictor feeding prorsa and oracle")
     parser.add_argument("--profiles", default=",".join(d.profiles))
     parser.add_argument("--policies", default=",".join(d.policies))
     parser.add_argument("--json", dest="json_path", default=None)
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         training_s=args.training_s,
         seed=args.seed,
+        forecaster=args.forecaster,
         profiles=tuple(s for s in args.profiles.split(",") if s),
         policies=tuple(s for s in args.policies.split(",") if s),
     )
