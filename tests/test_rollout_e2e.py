@@ -183,3 +183,28 @@ async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_serv
         await client.close()
         if backup is not None:
             await backup.stop()
+
+
+async def test_a_trajectory_whose_context_outgrows_the_model_ends_there(nats_server, monkeypatch) -> None:
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "20")
+    agent = make_agent(nats_server.url, "small-0", "mixed", speedup=None, max_model_len=3_000)
+    await agent.start()
+    client = await RolloutClient.connect(nats_server.url, retry_after_s=60.0)
+    log = LifecycleLog()
+    await log.attach(client.nc)
+    try:
+        # turn 1: 2,000 prompt + 40 out; turn 2: +300 → 2,340 fits; turn 3: +1,000 → 3,380 does not.
+        grows = TrajectorySpec(
+            "grows", "coding", (Turn(2000, 40, 0.1), Turn(300, 40, 0.1), Turn(1000, 40, 0.0))
+        )
+        fits = specs(1, 2, prefix="fits-")[0]
+        driver = RolloutDriver(client, RolloutConfig(steps=1, training_s=1.0))
+        metrics = await driver.run([[grows, fits]])
+        await asyncio.sleep(0.3)
+        summary = metrics.summary()
+        assert summary["trajectories_completed"] == 2 and summary["trajectories_truncated"] == 1
+        assert metrics.records["grows"].turns_done == 2 and metrics.records["fits-0"].turns_done == 2
+        assert log.count(TrajectoryFinished) == {"grows": 1, "fits-0": 1}
+    finally:
+        await client.close()
+        await agent.stop()

@@ -25,11 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 import proto
-from prorsa.client import RolloutClient
+from prorsa.client import GenerateError, RolloutClient
 from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
 from prorsa.workload.types import TrajectorySpec
 from proto import PolicyVersionUpdate, SamplingParams
 from services.runtime import clock
+from services.runtime.logging import get_logger
+
+log = get_logger("rollout_driver", "main")
 
 
 @dataclass(frozen=True)
@@ -132,14 +135,21 @@ class RolloutDriver:
             cacheable = context
             context += new
             out_tokens = max(1, self._scaled(turn.output_tokens))
-            res = await traj.generate(
-                ids,
-                SamplingParams(max_tokens=out_tokens, ignore_eos=True, seed=cfg.seed),
-                prompt_len=context,
-                sim_output_tokens=out_tokens,
-                sim_cacheable_tokens=cacheable,
-                timeout_s=cfg.turn_timeout_s,
-            )
+            try:
+                res = await traj.generate(
+                    ids,
+                    SamplingParams(max_tokens=out_tokens, ignore_eos=True, seed=cfg.seed),
+                    prompt_len=context,
+                    sim_output_tokens=out_tokens,
+                    sim_cacheable_tokens=cacheable,
+                    timeout_s=cfg.turn_timeout_s,
+                )
+            except GenerateError as exc:
+                # The context outgrew the model (the engine says so): the trajectory ends here, as an agent
+                # loop ends one whose context is full; retrying the same prompt cannot succeed.
+                log.warning("trajectory_truncated", traj_id=traj_id, turn=k, error=str(exc))
+                rec.truncated = True
+                break
             if cfg.send_token_ids:
                 ids = ids + list(res.token_ids)
             context += len(res.token_ids)

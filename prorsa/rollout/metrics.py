@@ -21,6 +21,7 @@ class TrajectoryRecord:
     output_tokens: int = 0
     restarts: int = 0  # restarted under newer weights (async staleness) or after engine loss
     completed: bool = False
+    truncated: bool = False  # ended early: its context outgrew the model (the engine rejected the prompt)
 
     @property
     def duration_s(self) -> float:
@@ -56,4 +57,5 @@ class RolloutMetrics:
             "prefix_cache_hit_rate": float(sum(r.cached_tokens for r in done) / prompt) if prompt else 0.0,
             "role_switches": int(self.role_switches),
             "restarts": int(sum(r.restarts for r in self.records.values())),
+            "trajectories_truncated": int(sum(r.truncated for r in self.records.values())),
         }
