@@ -91,3 +91,23 @@ def test_colocated_decodes_slow_down_while_prompts_are_chunked_in():
     stall = pm.mixed_step_time_s(p, 8 * 2_048, 1, 2_000) - pm.decode_step_time_s(p, 1, 2_000)
     assert stall > 0.3
     assert mixed["max_trajectory_s"] > alone["max_trajectory_s"] + 7 * stall
+
+
+def test_an_engine_that_becomes_prefill_never_takes_waiting_handoffs():
+    """Regression: with no decode engine, handoffs wait for a mixed one; a prefill engine rejoining then must
+    leave them (it would hold decodes it never steps, and the run would never end)."""
+    from prorsa.sim.core import Simulation
+    from prorsa.sim.state import Request
+    from services.allocator.policy import make_policy
+
+    specs = [TrajectorySpec("t0", "coding", (Turn(1000, 50, 0.0),))]
+    profile = BUILTIN_PROFILES["qwen3-235b"]
+    config = SimConfig(workload=FixedWorkload(specs), engines=2, policy="static:1:0:1", training_s=0.0)
+    sim = Simulation(config, FixedWorkload(specs), profile, make_policy("static:1:0:1", 2), observer=None)
+    prefill = next(e for e in sim.engines.values() if e.role == "prefill")
+    mixed = next(e for e in sim.engines.values() if e.role == "mixed")
+    sim.router.engine_leaving(mixed, 0.0)  # no engine can decode: a handoff waits
+    req = Request(sim.driver.new_rid(), None, 0, 1000, 50)  # never looked at: nobody may take it
+    sim.router.handoffs.append(req)
+    sim.router.engine_available(prefill, 0.0)
+    assert prefill.incoming == 0 and not prefill.seqs and list(sim.router.handoffs) == [req]

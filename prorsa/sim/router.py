@@ -69,7 +69,7 @@ class Router:
             self.pending.clear()
             for req in waiting:
                 self.route_prefill(req, now)
-            if self.mixed_takes_handoffs:
+            if engine.role == "mixed" and self.mixed_takes_handoffs:  # a prefill engine never decodes
                 self.pull_handoffs(engine, now)
 
     def engine_leaving(self, engine: SimEngine, now: float) -> None:
