@@ -13,6 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--backend", choices=("sim", "vllm"), default="sim")
     p.add_argument("--model", default=None, help="model path for --backend vllm")
+    p.add_argument("--dtype", default=None, help="--backend vllm: model dtype (float32 on CPUs without bf16)")
     p.add_argument("--profile", default="qwen3-235b", help="sim: engine performance profile")
     p.add_argument(
         "--policy", default="prorsa", help="allocator policy (colocated, static:P:D, reactive, ...)"
@@ -55,6 +56,7 @@ def live_config(args: argparse.Namespace, policy: str | None = None):  # noqa: A
         token_scale=args.token_scale,
         nats_url=args.nats,
         log_dir=args.log_dir,
+        extra_engine_args=["--dtype", args.dtype] if args.dtype else [],
     )
 
 
