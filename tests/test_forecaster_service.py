@@ -23,23 +23,34 @@ async def _wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
-    svc = ForecasterService(nats_server.url, horizons_s=(5.0, 10.0, 30.0))
-    await svc.start()
+async def _collect_forecasts(nc) -> list[DemandForecast]:  # noqa: ANN001
+    """Every DemandForecast published from now on, in arrival order."""
     forecasts: list[DemandForecast] = []
 
     async def on_forecast(msg) -> None:  # noqa: ANN001
         forecasts.append(proto.decode_as(msg.data, DemandForecast))
 
     await nc.subscribe(S.forecast, cb=on_forecast)
+    return forecasts
+
+
+async def _publish_first_half(nc, svc: ForecasterService, tracker: TrackerCore, events: list) -> None:  # noqa: ANN001
+    """Apply the first half of `events` to `tracker` and publish them; wait until the service observed them all."""
+    for t, ev in events[: len(events) // 2]:
+        tracker.apply(ev, t)
+        subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
+        await nc.publish(subject, proto.encode(ev))
+    await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+
+
+async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
+    svc = ForecasterService(nats_server.url, horizons_s=(5.0, 10.0, 30.0))
+    await svc.start()
+    forecasts = await _collect_forecasts(nc)
     try:
         tracker = TrackerCore()
         events = generate_events(SyntheticWorkload(trajectories=20, seed=3))
-        for t, ev in events[: len(events) // 2]:
-            tracker.apply(ev, t)
-            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
-            await nc.publish(subject, proto.encode(ev))
-        await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+        await _publish_first_half(nc, svc, tracker, events)
         await nc.publish(S.snapshot, b"{not a snapshot")  # bad bytes: counted, no crash
         snap = tracker.snapshot(events[len(events) // 2][0])
         await nc.publish(S.snapshot, proto.encode(snap))
@@ -66,20 +77,11 @@ async def test_published_forecasts_encode_after_a_real_snapshot(nats_server: Emb
     msgspec refused to encode the forecast and nothing was published (the TypeError under `prorsa up`)."""
     svc = ForecasterService(nats_server.url, predictor="naive", horizons_s=(5.0, 10.0))
     await svc.start()
-    forecasts: list[DemandForecast] = []
-
-    async def on_forecast(msg) -> None:  # noqa: ANN001
-        forecasts.append(proto.decode_as(msg.data, DemandForecast))
-
-    await nc.subscribe(S.forecast, cb=on_forecast)
+    forecasts = await _collect_forecasts(nc)
     try:
         tracker = TrackerCore()
         events = generate_events(SyntheticWorkload(trajectories=10, seed=5))
-        for t, ev in events[: len(events) // 2]:
-            tracker.apply(ev, t)
-            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
-            await nc.publish(subject, proto.encode(ev))
-        await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+        await _publish_first_half(nc, svc, tracker, events)
         # Snapshots on the service's clock (its events were observed at clock.now_s()), a second apart, so the
         # series windows close and the predictor forecasts from numpy arrays of them.
         t0 = clock.now_s() + 1.0
