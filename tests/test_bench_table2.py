@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prorsa.bench.table2 import Table2Options, markdown, plot, run_table2, speedups
+from prorsa.bench.compare import speedups
+from prorsa.bench.table2 import Table2Options, markdown, plot, run_table2
 
 
 def test_small_table_has_every_cell_and_policy(tmp_path) -> None:

@@ -95,3 +95,13 @@ def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict
 def _figures(result: dict[str, Any]) -> dict[str, Any]:
     """The row of one simulation: RESULT_KEYS, plus `switches` (the name the bench JSON promises)."""
     return {**{k: result[k] for k in RESULT_KEYS}, "switches": result["role_switches"]}
+
+
+def speedups(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """policy → colocated avg trajectory time / its own (None where either could not run)."""
+    colocated = next((r for r in rows if r["policy"] == "colocated" and "error" not in r), None)
+    out: dict[str, float | None] = {}
+    for r in rows:
+        ok = colocated is not None and "error" not in r and r["avg_trajectory_s"] > 0
+        out[r["policy"]] = colocated["avg_trajectory_s"] / r["avg_trajectory_s"] if ok else None
+    return out

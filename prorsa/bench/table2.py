@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prorsa.bench.compare import compare_policies
+from prorsa.bench.compare import compare_policies, speedups
 from prorsa.sim.runner import SimConfig
 
 PROFILES = ("qwen3-235b", "deepseek-v3.2", "mimo-v2.5-pro")
@@ -86,16 +86,6 @@ def run_table2(opts: Table2Options, progress: Callable[[str], None] | None = Non
                 }
             )
     return {"options": opts.__dict__, "cells": cells}
-
-
-def speedups(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """policy → colocated avg trajectory time / its own (None where either could not run)."""
-    colocated = next((r for r in rows if r["policy"] == "colocated" and "error" not in r), None)
-    out: dict[str, float | None] = {}
-    for r in rows:
-        ok = colocated is not None and "error" not in r and r["avg_trajectory_s"] > 0
-        out[r["policy"]] = colocated["avg_trajectory_s"] / r["avg_trajectory_s"] if ok else None
-    return out
 
 
 def markdown(table: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from prorsa.bench.compare import compare_policies
+    from prorsa.bench.compare import compare_policies, speedups
     from prorsa.sim.cli import config_from_args
 
     console = Console()
@@ -41,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
     )
     for col in ("policy", "avg traj (s)", "p99 traj (s)", "rollout (s)", "switches", "vs colocated (avg)"):
         table.add_column(col, justify="left" if col == "policy" else "right")
-    colocated = next((r for r in rows if r["policy"] == "colocated" and "error" not in r), None)
+    ratios = speedups(rows)
     for r in rows:
         name = r["policy"] + (f" → {r['chosen']}" if "chosen" in r else "")
         if "error" in r:
             table.add_row(name, "-", "-", "-", "-", f"[red]{r['error'][:60]}[/red]")
             continue
-        ratio = f"{colocated['avg_trajectory_s'] / r['avg_trajectory_s']:.2f}×" if colocated else "-"
+        ratio = "-" if ratios[r["policy"]] is None else f"{ratios[r['policy']]:.2f}×"
         table.add_row(
             name,
             f"{r['avg_trajectory_s']:.1f}",
