@@ -3,6 +3,7 @@ disaggregated, with its events, stats, bad input and a handoff whose KV is gone.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -216,3 +217,26 @@ def collect(out: list, cls: type) -> Callable[[Any], Awaitable[None]]:
         out.append(proto.decode_as(msg.data, cls, msg.subject))
 
     return cb
+
+
+async def test_work_on_any_queue_starts_without_waiting_out_another_queues_poll(nats_server, nc) -> None:
+    """Every queue long-polls at once: a request addressed to the prefill engine, and then its handoff on the
+    shared decode queue, are taken as they land, not after the 2 s poll of whichever queue was being watched."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "lp-p", "prefill", speedup=1000.0, any_poll_s=2.0)
+    decode = make_agent(nats_server.url, "lp-d", "decode", speedup=1000.0, any_poll_s=2.0)
+    await prefill.start()
+    await decode.start()
+    try:
+        for i in range(3):
+            await asyncio.sleep(0.3)  # every loop is inside its long poll again
+            rid = f"lp{i}"
+            t0 = time.monotonic()
+            await publish_work(nc, S.prefill_work_for("lp-p"), request(rid, max_tokens=5))
+            await watcher.wait_finished([rid])
+            assert time.monotonic() - t0 < 1.0, "work waited out a poll of another queue"
+            assert watcher.chunks[rid][-1].prefill_engine == "lp-p"
+    finally:
+        await prefill.stop()
+        await decode.stop()

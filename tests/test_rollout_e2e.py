@@ -113,14 +113,19 @@ async def test_verl_and_areal_shaped_adapters(system) -> None:
     assert log.count(TurnSubmitted)["req-7"] == 3 and log.count(TrajectoryFinished)["req-7"] == 1
 
 
-async def test_live_timings_match_the_simulator(nats_server, monkeypatch) -> None:
-    """Same trajectories, same profile, two colocated engines: average trajectory time within 35 % of the simulator
-    (measured 1.21× under load: the live side adds bus round trips and fetch polls the simulator does not model).
+@pytest.mark.parametrize(
+    ("policy", "roles"), [("colocated", ("mixed", "mixed")), ("static:1:1", ("prefill", "decode"))]
+)
+async def test_live_timings_match_the_simulator(nats_server, monkeypatch, policy: str, roles: tuple) -> None:
+    """Same trajectories, same profile, two engines colocated or split: average trajectory time within 25 % of the
+    simulator at a 20× time scale (measured 1.10× colocated, 1.08× split on a loaded 2-core machine).
 
-    Run at a modest time scale (4×): the engines' fetch polls and the bus round-trips are wall-clock costs, which a
-    large scale would magnify into virtual seconds the simulator does not model."""
-    monkeypatch.setenv("PRORSA_TIME_SCALE", "4")
-    agents = [make_agent(nats_server.url, f"e{i}", "mixed", speedup=None) for i in range(2)]
+    The scale is high on purpose: every wall-clock delay of the live path (bus round trips, how engines poll the
+    work queues) is multiplied by it into virtual seconds the simulator does not have. Engines that took work
+    queue by queue with blocking polls measured 1.35× here (and 2.5× in a 40× demo) before each queue got its own
+    long poll (`services/engine_agent/puller.py`)."""
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "20")
+    agents = [make_agent(nats_server.url, f"e{i}", role, speedup=None) for i, role in enumerate(roles)]
     for a in agents:
         await a.start()
     client = await RolloutClient.connect(nats_server.url, retry_after_s=60.0)
@@ -136,7 +141,7 @@ async def test_live_timings_match_the_simulator(nats_server, monkeypatch) -> Non
         SimConfig(
             workload=FixedWorkload(workload),
             engines=2,
-            policy="colocated",
+            policy=policy,
             profile="qwen3-235b",
             training_s=0.0,
         )
@@ -145,7 +150,7 @@ async def test_live_timings_match_the_simulator(nats_server, monkeypatch) -> Non
     print(
         f"live {live['avg_trajectory_s']:.2f} s vs simulated {sim['avg_trajectory_s']:.2f} s: ratio {ratio:.2f}"
     )
-    assert 0.75 < ratio < 1.35
+    assert 0.8 < ratio < 1.25
 
 
 async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_server) -> None:

@@ -124,7 +124,8 @@ class RolloutDriver:
         )
         ids: list[int] = []
         context = 0
-        rec.turns_done = rec.prompt_tokens = rec.cached_tokens = rec.output_tokens = 0
+        rec.turns_done = rec.prompt_tokens = rec.cached_tokens = rec.output_tokens = rec.tool_calls = 0
+        rec.ttft_s = rec.generate_s = rec.tool_s = 0.0
         for k, turn in enumerate(spec.turns):
             if cfg.mode == "async" and self.version - version > cfg.staleness:
                 await traj.finish(status="aborted")
@@ -135,6 +136,7 @@ class RolloutDriver:
             cacheable = context
             context += new
             out_tokens = max(1, self._scaled(turn.output_tokens))
+            t_submit = self.now_v()
             try:
                 res = await traj.generate(
                     ids,
@@ -154,12 +156,17 @@ class RolloutDriver:
                 ids = ids + list(res.token_ids)
             context += len(res.token_ids)
             rec.turns_done += 1
+            rec.ttft_s += res.ttft_s
+            rec.generate_s += self.now_v() - t_submit
             rec.prompt_tokens += res.prompt_tokens
             rec.cached_tokens += res.cached_tokens
             rec.output_tokens += len(res.token_ids)
             if k + 1 < len(spec.turns):
                 await traj.tool_started("tool")
+                t_tool = self.now_v()
                 await clock.sleep_s(turn.tool_latency_s)
+                rec.tool_s += self.now_v() - t_tool
+                rec.tool_calls += 1
                 await traj.tool_finished(
                     "tool", observation_tokens=self._scaled(spec.turns[k + 1].new_prompt_tokens)
                 )

@@ -22,6 +22,12 @@ class TrajectoryRecord:
     restarts: int = 0  # restarted under newer weights (async staleness) or after engine loss
     completed: bool = False
     truncated: bool = False  # ended early: its context outgrew the model (the engine rejected the prompt)
+    # Where the time went, summed over the turns of the attempt that completed: submit -> first token as the
+    # engine measured it, submit -> last token as the driver saw it, and the tool calls as the clock slept them.
+    ttft_s: float = 0.0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    tool_calls: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -42,10 +48,12 @@ class RolloutMetrics:
         durations = np.array([r.duration_s for r in done]) if done else np.zeros(1)
         prompt = sum(r.prompt_tokens for r in done)
         out = sum(r.output_tokens for r in done)
+        turns = sum(r.turns_done for r in done)
+        tools = sum(r.tool_calls for r in done)
         return {
             "trajectories_expected": len(self.records),
             "trajectories_completed": len(done),
-            "turns_completed": sum(r.turns_done for r in done),
+            "turns_completed": turns,
             "avg_trajectory_s": float(durations.mean()),
             "p50_trajectory_s": float(np.percentile(durations, 50)),
             "p99_trajectory_s": float(np.percentile(durations, 99)),
@@ -58,4 +66,8 @@ class RolloutMetrics:
             "role_switches": int(self.role_switches),
             "restarts": int(sum(r.restarts for r in self.records.values())),
             "trajectories_truncated": int(sum(r.truncated for r in self.records.values())),
+            # Per-turn breakdown (compare with the simulator's turn_* keys to see where a gap comes from).
+            "turn_ttft_s": float(sum(r.ttft_s for r in done) / turns) if turns else 0.0,
+            "turn_generate_s": float(sum(r.generate_s for r in done) / turns) if turns else 0.0,
+            "tool_call_s": float(sum(r.tool_s for r in done) / tools) if tools else 0.0,
         }

@@ -50,8 +50,8 @@ class AgentConfig:
     chunk_interval_s: float = 0.02  # at most one TokenChunk per request per interval
     prefill_budget_tokens: int = 32_768  # prompt tokens held for prefill at most (prefill and mixed roles)
     max_fetch: int = 16
-    own_poll_s: float = 0.02
-    any_poll_s: float = 0.25
+    own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues (see puller.py)
+    any_poll_s: float = 0.25  # every queue's long poll: paces only idle fetches, never delays a message
     # Scaled seconds (waiting for generation, which runs on the scaled clock):
     weights_drain_timeout_s: float = 10.0  # a weight update waits this long for held requests to finish
     stop_timeout_s: float = 10.0  # wall seconds: graceful stop, time to hand on held work (publish and ack)

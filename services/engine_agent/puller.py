@@ -6,9 +6,16 @@ binds the same four durables: the shared `prefill-any` / `decode-any` (filters `
 `prefill-<id>` / `decode-<id>` for work addressed to it (prefix affinity). The first engine to bind a durable
 creates it with this engine's `ack_wait`, so all engines of one deployment should use the same value.
 
-Preference. Each round fetches the engine's own queue first (a short poll) and then the shared one (a long poll,
-which returns as soon as a message arrives). A mixed engine also takes decode handoffs, but only in a round where
-no prefill work came, and at most every `decode_check_s`.
+Latency. Each of the four queues has its own loop, and the loops long-poll concurrently, each fetching one
+message at a time: a message is handed to the engine the moment the server has it, whichever queue it lands on.
+(A serial round of "own queue, then shared queue" let addressed work wait out the shared queue's long poll, and a
+fetch of more than one message waits until its batch is full or its poll ends before returning any: both cost up to
+a poll interval per hop, which a time-scaled simulated engine multiplies by its speed-up.) Each loop checks the
+engine's room before fetching, so the two loops of one kind can overshoot it by one message at most. A loop
+without room sleeps until the runner frees some (`JobRunner.freed`).
+
+Preference. A mixed engine also takes decode handoffs, but only while it holds no prompt to prefill, and at most
+every `decode_check_s`, with a short poll.
 
 Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
 message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
@@ -35,8 +42,9 @@ from services.runtime import clock
 class PullConfig:
     # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
     ack_wait_s: float = 30.0
-    own_poll_s: float = 0.02  # poll of the engine's own (addressed) queue
-    any_poll_s: float = 0.25  # long poll of the shared queue
+    own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues
+    any_poll_s: float = 0.25  # long poll of every queue (a fetch returns as soon as a message arrives)
+    room_wait_s: float = 0.25  # a loop without room rechecks at least this often (estimates move)
     decode_check_s: float = 0.5  # mixed role: how often to look at decode handoffs when idle
     max_fetch: int = 16
     prefill_budget_tokens: int = 32_768
@@ -58,6 +66,8 @@ class WorkPuller:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._idle = asyncio.Event()
+        self._idle.set()
+        self._fetching = 0  # fetches in flight, over all loops
         self._last_decode_check = 0.0  # scaled monotonic seconds
         self.fetch_errors = 0
 
@@ -105,63 +115,66 @@ class WorkPuller:
         self._pause_reasons.discard(reason)
         if not self._pause_reasons:
             self._resumed.set()
+            self.runner.freed.set()  # the role may have changed: loops waiting for room look again
 
     @property
     def paused(self) -> bool:
         return bool(self._pause_reasons)
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Wait until pulling is paused and no fetch is in flight (bounded: a stuck fetch must not stall a switch)."""
+        """Wait until no fetch is in flight (call after `pause`; bounded: a stuck fetch must not stall a switch)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
-    # -- the loop ------------------------------------------------------------------------------------------------
+    # -- the loops -----------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """One loop per queue: (prefill | decode) × (own | shared)."""
+        await asyncio.gather(
+            *(self._queue_loop(kind, own) for kind in ("prefill", "decode") for own in (True, False))
+        )
+
+    async def _queue_loop(self, kind: WorkKind, own: bool) -> None:
         while True:
             if self._pause_reasons:
-                self._idle.set()
                 await self._resumed.wait()
                 continue
+            poll_s = self._poll_s(kind)
+            if poll_s is None or self._capacity(kind) <= 0:
+                await self._wait_for_room()
+                continue
+            self._fetching += 1
             self._idle.clear()
             try:
-                took = await self._round(self.agent.role)
+                await self._fetch(kind, own, 1, poll_s)
             except Exception as exc:  # our bug: log it, keep pulling (a dead pull loop would idle the engine)
                 self.agent.metrics.count_error("pull")
-                self.agent.log.exception("pull_round_failed", error=repr(exc))
-                took = -1
-            if took < 0:
-                await asyncio.sleep(0.01)  # no capacity for anything: wait for work to finish
+                self.agent.log.exception("pull_round_failed", kind=kind, own=own, error=repr(exc))
+                await asyncio.sleep(0.01)
+            finally:
+                self._fetching -= 1
+                if self._fetching == 0:
+                    self._idle.set()
 
-    async def _round(self, role: str) -> int:
-        """One pass over this role's queues; returns messages taken, or -1 if there was no room for any."""
-        if role == "decode":
-            return await self._pull_kind("decode", self.config.any_poll_s)
-        any_poll = self.config.any_poll_s
-        # The clock reads scaled seconds; decode_check_s is a wall interval, hence × the time scale.
+    def _poll_s(self, kind: WorkKind) -> float | None:
+        """How long this kind's next fetch may wait for a message; None: do not fetch it now."""
+        role = self.agent.role
+        if not (role == "mixed" and kind == "decode"):
+            return self.config.any_poll_s
+        # A mixed engine takes handoffs only with no prompt of its own to prefill, at most every decode_check_s
+        # (a wall interval; the clock reads scaled seconds, hence × the time scale).
         since_s = clock.monotonic_s() - self._last_decode_check
-        check_decode = role == "mixed" and since_s >= self.config.decode_check_s * clock.time_scale()
-        if check_decode:
-            any_poll = self.config.own_poll_s  # keep the round short: the decode queues follow
-        took = await self._pull_kind("prefill", any_poll)
-        if check_decode and took <= 0 and not self._pause_reasons:
-            self._last_decode_check = clock.monotonic_s()
-            decode_took = await self._pull_kind("decode", self.config.own_poll_s)
-            took = max(took, decode_took)
-        return took
+        if since_s < self.config.decode_check_s * clock.time_scale() or self.runner.held().prefill_jobs:
+            return None
+        self._last_decode_check = clock.monotonic_s()
+        return self.config.own_poll_s
 
-    async def _pull_kind(self, kind: WorkKind, any_poll_s: float) -> int:
-        total = 0
-        room = False
-        for own, poll_s in ((True, self.config.own_poll_s), (False, any_poll_s)):
-            if self._pause_reasons:
-                break  # a switch is waiting for this round to end
-            n = self._capacity(kind)
-            if n <= 0:
-                continue
-            room = True
-            total += await self._fetch(kind, own, n, poll_s)
-        return total if room else -1
+    async def _wait_for_room(self) -> None:
+        """Sleep until the runner frees room or a role changes (or `room_wait_s` passes)."""
+        freed = self.runner.freed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(freed.wait(), self.config.room_wait_s)
+        freed.clear()
 
     def _capacity(self, kind: WorkKind) -> int:
         stats = self.agent.backend.stats()

@@ -80,6 +80,9 @@ class JobRunner:
         self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.est_prompt_tokens = Ewma(2048.0)
         self.est_kv_tokens = Ewma(4096.0)
+        self.freed = (
+            asyncio.Event()
+        )  # set when held work shrinks (a job ends or leaves its prefill): pull more
         # Cumulative counters, read by the stats loop.
         self.prefill_new_tokens = 0
         self.prefill_cached_tokens = 0
@@ -196,6 +199,7 @@ class JobRunner:
             job.phase = "done"
             if self.jobs.get(job.request_id) is job:
                 del self.jobs[job.request_id]
+            self.freed.set()
 
     async def _run_prefill(self, job: Job) -> None:
         req = job.request
@@ -231,6 +235,7 @@ class JobRunner:
             return
         lps = [h.first_logprob] if h.first_logprob is not None else None
         job.phase = "decode"
+        self.freed.set()
         final = job.output_tokens + 1 >= job.expected_tokens
         await self._send(job, [h.first_token_id], lps, final=final, reason="length" if final else "")
         if final:
@@ -260,6 +265,7 @@ class JobRunner:
                     self._count_prefill(info.new_tokens, info.cached_tokens)
                     job.cached_tokens = info.cached_tokens
                     job.phase = "decode"
+                    self.freed.set()
                     await self._prefill_done(job, info.new_tokens, info.cached_tokens, info.prefill_s, False)
                 self.decode_tokens += len(chunk.token_ids)
                 if chunk.finished and chunk.finish_reason != "abort":
