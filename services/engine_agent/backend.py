@@ -125,6 +125,10 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (queued, prefilling, decoding); unknown ids are ignored."""
 
+    async def wait_output(self, request_id: str, max_wait_s: float) -> None:
+        """Pause between two chunks of a request's stream, so tokens accumulate (wall seconds); a backend that
+        can tell may return early once the request has ended."""
+
     def stats(self) -> BackendStats:
         """Current load."""
         ...

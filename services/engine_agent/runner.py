@@ -279,7 +279,7 @@ class JobRunner:
                 if chunk.token_ids:
                     await self._send(job, chunk.token_ids, chunk.logprobs)
                 # Let tokens accumulate in the backend: one chunk per request per interval (wall), not per token.
-                await asyncio.sleep(self.chunk_interval_s)
+                await self.io.backend.wait_output(job.request_id, self.chunk_interval_s)
         await self.io.backend.abort(job.request_id)
         await self._hand_on(job)
 

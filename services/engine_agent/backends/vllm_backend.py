@@ -18,6 +18,7 @@ example a larger batch for decode), and that restart costs a full engine start (
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -255,6 +256,10 @@ class VllmBackend:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    async def wait_output(self, request_id: str, max_wait_s: float) -> None:
+        # A plain pause: at speed 1 the last chunk's extra wait is at most one interval of wall time.
+        await asyncio.sleep(max_wait_s)
 
     # -- load, weights, role -------------------------------------------------------------------------------------
 
