@@ -240,3 +240,20 @@ async def test_work_on_any_queue_starts_without_waiting_out_another_queues_poll(
     finally:
         await prefill.stop()
         await decode.stop()
+
+
+async def test_the_last_chunk_does_not_wait_out_the_chunk_interval(nats_server, nc) -> None:
+    """Chunks are paced one per interval per request, but a request that ends mid-interval is answered at once
+    (at a speed-up, a wall-clock pause becomes that many times more virtual seconds of turn latency)."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agent = make_agent(nats_server.url, "ci-0", "mixed", speedup=1000.0, chunk_interval_s=2.0)
+    await agent.start()
+    try:
+        t0 = time.monotonic()
+        await publish_work(nc, S.prefill_work_any, request("ci0", max_tokens=50))
+        await watcher.wait_finished(["ci0"])
+        assert time.monotonic() - t0 < 1.0, "the final chunk waited for the chunk interval"
+        watcher.assert_exact_stream("ci0", 50)
+    finally:
+        await agent.stop()
