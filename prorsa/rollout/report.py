@@ -29,7 +29,7 @@ def summary_table(rows: dict[str, dict[str, Any]], title: str) -> Any:
     for name in rows:
         table.add_column(name, justify="right")
     for label, key, fmt in SUMMARY_ROWS:
-        table.add_row(label, *(fmt.format(r.get(key, 0.0)) for r in rows.values()))
+        table.add_row(label, *(fmt.format(r[key]) if key in r else "–" for r in rows.values()))
     return table
 
 

@@ -1,0 +1,31 @@
+"""`prorsa demo`, the README's main job, end to end on a tiny configuration: two live rollouts over a real
+nats-server with every service, then the simulator on the same workload beside them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prorsa.cli import main
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys) -> None:
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--workload", "profile:math", "--batch-size", "2", "--engines", "2", "--speedup", "50"]
+    rc = main([*argv, "--training-s", "1", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for side in ("live", "simulated"):
+        assert set(data[side]) == {"colocated", "prorsa"}
+        for row in data[side].values():
+            assert row["trajectories_completed"] == row["trajectories_expected"] == 2
+            assert row["avg_trajectory_s"] > 0
+    # The live system tracks its model: same trajectories, a bounded gap (wall-clock latency × the speed-up).
+    for policy in ("colocated", "prorsa"):
+        ratio = data["live"][policy]["avg_trajectory_s"] / data["simulated"][policy]["avg_trajectory_s"]
+        assert 0.8 < ratio < 1.6, (policy, ratio)
+    text = capsys.readouterr().out
+    assert "live: colocated / prorsa" in text and "simulated: colocated / prorsa" in text
