@@ -14,8 +14,8 @@ a poll interval per hop, which a time-scaled simulated engine multiplies by its 
 engine's room before fetching, so the two loops of one kind can overshoot it by one message at most. A loop
 without room sleeps until the runner frees some (`JobRunner.freed`).
 
-Preference. A mixed engine also takes decode handoffs, but only while it holds no prompt to prefill, and at most
-every `decode_check_s`, with a short poll.
+Preference. A mixed engine also takes decode handoffs, but only while it holds no prompt to prefill, with a short
+poll, and after a poll that found none, not again for `decode_check_s`.
 
 Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
 message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +147,9 @@ class WorkPuller:
             self._fetching += 1
             self._idle.clear()
             try:
-                await self._fetch(kind, own, 1, poll_s)
+                took = await self._fetch(kind, own, 1, poll_s)
+                if took and kind == "decode" and self.agent.role == "mixed":
+                    self._last_decode_check = -math.inf  # handoffs are waiting: take the next one now
             except Exception as exc:  # our bug: log it, keep pulling (a dead pull loop would idle the engine)
                 self.agent.metrics.count_error("pull")
                 self.agent.log.exception("pull_round_failed", kind=kind, own=own, error=repr(exc))
