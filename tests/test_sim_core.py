@@ -201,3 +201,30 @@ def test_bad_configs_are_rejected():
         SimConfig(engines=0)
     with pytest.raises(ValueError):
         run_simulation(SimConfig(workload=FixedWorkload(_multi_turn()), engines=4, policy="static:3:2"))
+
+
+def test_a_trajectory_whose_context_outgrows_the_model_ends_there():
+    """As the live driver does when an engine rejects the prompt: turns 0-1 run, turn 2's prompt (3,000 + 100 +
+    1,500 tokens > 4,000) ends the trajectory after its tool call; the other trajectory runs every turn."""
+    long_ = TrajectorySpec(
+        "long", "coding", (Turn(3_000, 100, 1.0), Turn(500, 100, 2.0), Turn(1_500, 50, 0.0))
+    )
+    short = TrajectorySpec("short", "coding", (Turn(500, 100, 1.0), Turn(200, 50, 0.0)))
+    recorder = _Recorder()
+    data = run_simulation(
+        SimConfig(
+            workload=FixedWorkload([long_, short]),
+            engines=2,
+            policy="colocated",
+            training_s=0,
+            max_model_len=4_000,
+            observer=recorder,
+        )
+    ).to_json()
+    assert data["trajectories_completed"] == data["trajectories_expected"] == 2
+    assert data["trajectories_truncated"] == 1
+    submitted = [f["turn"] for k, t, _, f in recorder.events if k == ev.TURN_SUBMITTED and t == "s0-long"]
+    assert submitted == [0, 1]
+    finished = {t: (now, f["turns"]) for k, t, now, f in recorder.events if k == ev.TRAJECTORY_FINISHED}
+    tool_end = max(now for k, t, now, _ in recorder.events if k == ev.TOOL_CALL_END and t == "s0-long")
+    assert finished["s0-long"] == (tool_end, 2) and finished["s0-short"][1] == 2

@@ -102,6 +102,7 @@ def result_table(result: SimResult, data: dict[str, Any]) -> Table:
         ("role switches", data["role_switches"]),
         ("migrations", data["migrations"]),
         ("trajectories aborted", data["trajectories_aborted"]),
+        ("trajectories truncated", data["trajectories_truncated"]),
     ]
     rows += [(f"utilisation {role}", frac) for role, frac in data["utilisation"].items()]
     rows.append(("simulated in (wall s)", result.wall_s))

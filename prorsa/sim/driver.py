@@ -120,6 +120,11 @@ class Driver:
                 )
         elif observed:
             sim.emit(ev.TOOL_CALL_END, traj, now, turn=traj.turn - 1)
+        if traj.context_tokens > sim.config.max_model_len:
+            # The engine would reject the prompt: the trajectory ends here, as the live driver ends it.
+            sim.metrics.trajectories_truncated += 1
+            self._trajectory_done(traj, now, turns_done=traj.turn)
+            return
         self._next_rid += 1
         req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
@@ -163,16 +168,15 @@ class Driver:
             self.sim.emit(ev.TOOL_CALL_START, traj, now, turn=k, latency_s=turn.tool_latency_s)
         self.sim.queue.push(now + turn.tool_latency_s, ev.ARRIVAL, traj, traj.attempt)
 
-    def _trajectory_done(self, traj: Traj, now: float) -> None:
+    def _trajectory_done(self, traj: Traj, now: float, turns_done: int | None = None) -> None:
         traj.alive = False
         del self.live_trajs[id(traj)]
         completion = now - traj.start_s
         self.sim.metrics.completion.add(completion)
         self.sim.metrics.trajectories_completed += 1
         if self.sim.observer is not None:
-            self.sim.emit(
-                ev.TRAJECTORY_FINISHED, traj, now, turns=len(traj.spec.turns), completion_s=completion
-            )
+            turns = len(traj.spec.turns) if turns_done is None else turns_done
+            self.sim.emit(ev.TRAJECTORY_FINISHED, traj, now, turns=turns, completion_s=completion)
         self.live[traj.step] -= 1
         if self.live[traj.step] == 0:
             del self.live[traj.step]

@@ -130,6 +130,7 @@ class Metrics:
         self.trajectories_started = 0
         self.trajectories_completed = 0
         self.trajectories_aborted = 0
+        self.trajectories_truncated = 0  # ended when their context outgrew the model (counted as completed)
         self.migrations = 0
         self.role_switches = 0
         self.handoffs = 0

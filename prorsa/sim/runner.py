@@ -13,6 +13,7 @@ from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
 from prorsa.sim.views import DemandFeed
 from services.allocator.policy import AllocatorPolicy, make_policy
+from services.engine_agent.backends.sim_scheduler import DEFAULT_MAX_MODEL_LEN
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
 
@@ -45,6 +46,8 @@ class SimConfig:
     # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, prorsa);
     # used only by policies that read forecasts (`AllocatorPolicy.uses_forecast`).
     forecaster: str = "prorsa"
+    # Prompts longer than this end their trajectory (the engines reject them; the live driver does the same).
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     observer: SimObserver | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +145,7 @@ class SimResult:
             "trajectories_completed": m.trajectories_completed,
             "trajectories_expected": d.expected,
             "trajectories_aborted": m.trajectories_aborted,
+            "trajectories_truncated": m.trajectories_truncated,
             "steps_trained": d.trained,
             "tokens": {
                 "prompt": m.prompt_tokens,

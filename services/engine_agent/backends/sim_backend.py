@@ -40,6 +40,7 @@ from services.engine_agent.backend import (
     RequestAborted,
 )
 from services.engine_agent.backends.sim_scheduler import (
+    DEFAULT_MAX_MODEL_LEN,
     SeqMode,
     SimScheduler,
     SimSeq,
@@ -52,7 +53,6 @@ from services.runtime import perf_model as pm
 from services.runtime.logging import get_logger
 from services.runtime.perf_model import ModelProfile
 
-DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
 DEFAULT_KV_TTL_S = 480.0
 DEFAULT_SPEEDUP = (
     10.0  # virtual seconds per wall second when neither `speedup` nor $PRORSA_TIME_SCALE is given

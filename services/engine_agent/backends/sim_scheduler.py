@@ -40,6 +40,8 @@ from services.runtime.perf_model import ModelProfile
 
 SeqMode = Literal["generate", "prefill", "decode"]
 
+DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
+
 
 def context_tokens(request: GenerateRequest) -> int:
     """Tokens in the request's context: the prompt plus output already streamed before a migration."""
