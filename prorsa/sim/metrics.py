@@ -38,14 +38,27 @@ class LogHistogram:
         return self.total / self.count if self.count else 0.0
 
     def quantile(self, q: float) -> float:
-        """Value at quantile q in [0, 1] (bucket midpoint, clamped to the observed min/max); 0 when empty."""
+        """Value at quantile q in [0, 1], interpolated linearly between the two order statistics around rank
+        q·(count − 1) (numpy's default, which the live rollout's summary uses); an order statistic is its bucket's
+        midpoint, the smallest and largest the exact min and max. 0 when empty."""
         if not self.count:
             return 0.0
         rank = q * (self.count - 1)
+        lo = math.floor(rank)
+        hi = min(lo + 1, self.count - 1)
+        v_lo, v_hi = self._order_statistic(lo), self._order_statistic(hi)
+        return v_lo + (rank - lo) * (v_hi - v_lo)
+
+    def _order_statistic(self, index: int) -> float:
+        """The index-th smallest value (0-based), to the bucket's resolution."""
+        if index <= 0:
+            return self.min
+        if index >= self.count - 1:
+            return self.max
         seen = 0
         for key in sorted(self._buckets):
             seen += self._buckets[key]
-            if seen > rank:
+            if seen > index:
                 mid = 0.0 if key == -(10**9) else math.exp((key + 0.5) * self._LOG_BASE)
                 return min(max(mid, self.min), self.max)
         return self.max
