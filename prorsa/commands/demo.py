@@ -18,7 +18,7 @@ POLICIES = ("colocated", "prorsa")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     rollout.add_arguments(p)
-    p.set_defaults(workload="swe", engines=4, batch_size=8, steps=1, speedup=40.0, training_s=20.0)
+    p.set_defaults(workload="swe", engines=4, batch_size=8, steps=1, speedup=20.0, training_s=20.0)
 
 
 def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any]:
