@@ -4,6 +4,7 @@ nats-server with every service, then the simulator on the same workload beside t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.timeout(240)
 def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys) -> None:
     out = tmp_path / "demo.json"
     argv = ["demo", "--workload", "profile:math", "--batch-size", "2", "--engines", "2", "--speedup", "50"]
+    before = os.environ.get("PRORSA_TIME_SCALE")
     rc = main([*argv, "--training-s", "1", "--json", str(out)])
+    assert os.environ.get("PRORSA_TIME_SCALE") == before  # the runs restored the process clock (next test)
     assert rc == 0
     data = json.loads(out.read_text())
     for side in ("live", "simulated"):
@@ -29,3 +32,18 @@ def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys) -> Non
         assert 0.8 < ratio < 1.6, (policy, ratio)
     text = capsys.readouterr().out
     assert "live: colocated / prorsa" in text and "simulated: colocated / prorsa" in text
+
+
+def test_a_live_run_leaves_the_process_time_scale_as_it_found_it(monkeypatch) -> None:
+    """`run_live` sets PRORSA_TIME_SCALE for its child processes; a test session running it in process must not
+    inherit the speed-up (it once left later tests' drain timeouts and stream clocks 50× short)."""
+    from services.runtime import clock
+
+    monkeypatch.delenv("PRORSA_TIME_SCALE", raising=False)
+    with clock.time_scale_set(50.0):
+        assert clock.time_scale() == 50.0
+    assert "PRORSA_TIME_SCALE" not in os.environ
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "4")
+    with clock.time_scale_set(50.0):
+        pass
+    assert clock.time_scale() == 4.0

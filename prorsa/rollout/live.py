@@ -17,7 +17,7 @@ from prorsa.rollout.recorder import Recorder
 from prorsa.system import System, SystemConfig
 from prorsa.workload.spec import load_workload
 from services.allocator.policy import make_policy
-from services.runtime.clock import set_time_scale
+from services.runtime.clock import time_scale_set
 
 
 @dataclass
@@ -58,7 +58,13 @@ def initial_roles(policy: str, engines: int, profile: str) -> list[str]:
 
 async def run_live(cfg: LiveConfig, progress: Callable[[str, int, int], None] | None = None) -> LiveResult:
     speedup = cfg.speedup if cfg.backend == "sim" else 1.0
-    set_time_scale(speedup)  # inherited by every child process
+    with time_scale_set(speedup):  # inherited by every child process; restored afterwards
+        return await _run_live(cfg, speedup, progress)
+
+
+async def _run_live(
+    cfg: LiveConfig, speedup: float, progress: Callable[[str, int, int], None] | None
+) -> LiveResult:
     workload = load_workload(
         cfg.workload, batch_size=cfg.batch_size, group_size=cfg.group_size, seed=cfg.seed
     )

@@ -10,8 +10,10 @@ waits `d` virtual seconds. With real engines X is 1 and these are the plain cloc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 _SCALE_ENV = "PRORSA_TIME_SCALE"
 
@@ -28,6 +30,21 @@ def time_scale() -> float:
 def set_time_scale(scale: float) -> None:
     """Set the scale for this process and the children it starts."""
     os.environ[_SCALE_ENV] = repr(float(scale))
+
+
+@contextlib.contextmanager
+def time_scale_set(scale: float) -> Iterator[None]:
+    """`set_time_scale(scale)` for the block, then the previous scale again (a run inside a longer-lived process,
+    such as a test session, must not leave its speed-up behind for whatever runs next)."""
+    previous = os.environ.get(_SCALE_ENV)
+    set_time_scale(scale)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_SCALE_ENV, None)
+        else:
+            os.environ[_SCALE_ENV] = previous
 
 
 def now_s() -> float:
