@@ -507,7 +507,10 @@ def test_prorsa_starts_colocated_only_where_mixed_engines_prefill_efficiently() 
     ids = [f"e{i}" for i in range(8)]
     qwen = make_policy("prorsa", 8, profile="qwen3-235b")
     deepseek = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    mimo = make_policy("prorsa", 8, profile="mimo-v2.5-pro")
     assert qwen.colocation_efficient() and not deepseek.colocation_efficient()  # DP attention stalls ranks
+    assert mimo.colocation_efficient()  # 2 DP ranks: a mixed engine keeps 0.36 of the prefill rate
+    assert not make_policy("prorsa:colocate_at=0.5", 8, profile="mimo-v2.5-pro").colocation_efficient()
     assert set(qwen.initial_plan(ids).roles.values()) == {"mixed"}
     assert sorted(deepseek.initial_plan(ids).roles.values()).count("prefill") == 2  # prefill_fraction 0.25
     assert set(

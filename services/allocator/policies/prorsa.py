@@ -73,6 +73,11 @@ class ProrsaPolicy(AllocatorPolicy):
     )
     # start-up roles: "split" (prefill_fraction of the engines prefill), "mixed", or "auto" (`colocation_efficient`)
     initial: str = "auto"
+    # Colocation counts as efficient when a mixed engine prefills at least this share of a dedicated engine's rate.
+    # Set from the simulator's Table 2 runs (docs/benchmarks.md): splits beat colocation at 0.12 (deepseek-v3.2,
+    # 8 DP ranks), colocation wins at 0.36 (mimo-v2.5-pro) and 0.80 (qwen3-235b); 0.25, about the geometric mean
+    # of 0.12 and 0.5, leaves margin on both sides. (0.5 started mimo split and cost it 5-18 %.)
+    colocate_at: float = 0.25
     fallback_horizons_s: tuple[float, ...] = (10.0, 30.0)
     # start-up share of prefill engines: agentic turns are decode-bound once prefix caching serves the context
     # (SWE trace: new prompt tokens per turn ≈ 0.6 × output tokens in steady state, DESIGN.md)
@@ -103,13 +108,13 @@ class ProrsaPolicy(AllocatorPolicy):
         )
 
     def colocation_efficient(self) -> bool:
-        """Whether a mixed engine prefills at least half as fast as a dedicated one (at the default prompt and a
-        half-full decode batch): then colocation wastes little and starts without a split to guess. With DP
-        attention a prompt chunk on one rank stalls every rank's decode, and a split starts ahead."""
+        """Whether a mixed engine prefills at least `colocate_at` of a dedicated one's rate (at the default prompt
+        and a half-full decode batch): then colocation wastes little and starts without a split to guess. With
+        many DP attention ranks a prompt chunk on one rank stalls every rank's decode, and a split starts ahead."""
         ctx = DEFAULT_CONTEXT_TOKENS
         batch = self.capacity.decode_batch_limit(ctx) / 2
         mixed_prefill, _, _ = self.capacity.mixed_tokens_per_s(batch, ctx, 0.0, DEFAULT_ISL_TOKENS)
-        return mixed_prefill >= 0.5 * self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS, 0.0)
+        return mixed_prefill >= self.colocate_at * self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS, 0.0)
 
     def plan(self, view: ClusterView) -> Plan | None:
         forecast = forecast_of(view)
@@ -299,12 +304,14 @@ _OPTIONS: dict[str, float | int | str] = {
     "prefill_fraction": 0.25,
     "amortize_s": 120.0,
     "initial": "auto",
+    "colocate_at": 0.25,
 }
 
 
 def make_prorsa(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
     """`prorsa[:key=value...]`, keys: interval_s, margin, min_gain, persist, quantile (q10|q50|q90), allow_mixed
-    (0|1), drain_timeout_s, prefill_fraction. Raises PolicyError on bad arguments or profile."""
+    (0|1|2), drain_timeout_s, prefill_fraction, amortize_s, initial (auto|split|mixed), colocate_at. Raises
+    PolicyError on bad arguments or profile."""
     opts = parse_options("prorsa", args, _OPTIONS)
     return ProrsaPolicy(capacity=make_capacity(profile), **opts)  # type: ignore[arg-type]
 
