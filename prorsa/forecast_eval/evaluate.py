@@ -145,12 +145,7 @@ class _Evaluator:
         self.bank.observe_event(msg, t)
 
     def _tick(self, t: float) -> None:
-        before = t - _BEFORE_TICK_S
-        for ts, msg in self.bridge.release(before, inclusive=False):
-            self._apply(msg, ts)
-        for msg in self.bridge.progress_at(before):
-            self._apply(msg, before)
-        for ts, msg in self.bridge.release(t):
+        for ts, msg in self.bridge.flush(t, _BEFORE_TICK_S):
             self._apply(msg, ts)
         self.tracker.expire(t)
         forecasts = self.bank.tick(self.tracker.snapshot(t), t, self.schedule.pending(t))

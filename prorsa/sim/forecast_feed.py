@@ -184,12 +184,7 @@ class ForecastFeed:
     def _flush(self, t: float) -> None:
         """Apply the messages up to `t`, with each decoding request's progress by `t` interpolated between its
         reports (stamped just before `t`, so the series window that `t` closes counts it)."""
-        before = t - _BEFORE_NOW_S
-        for ts, msg in self.bridge.release(before, inclusive=False):
-            self._apply(msg, ts)
-        for msg in self.bridge.progress_at(before):
-            self._apply(msg, before)
-        for ts, msg in self.bridge.release(t):
+        for ts, msg in self.bridge.flush(t, _BEFORE_NOW_S):
             self._apply(msg, ts)
 
     def _apply(self, msg: Any, t: float) -> None:
