@@ -7,6 +7,8 @@ every `policy.interval_s` on a `ClusterView` built from the engines, exactly the
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,25 +71,34 @@ class Simulation:
     def run(self) -> float:
         """Run to the end (all steps trained, or the duration cap); returns the end time in virtual seconds."""
         limit = self.config.duration_s if self.config.duration_s is not None else float("inf")
+        for engine in self.engines.values():  # an observer may have been attached after construction
+            engine._observed = self.observer is not None
         self.driver.start(0.0)
         self.queue.push(self.policy.interval_s, ev.POLICY_TICK)
+        if limit < math.inf:  # the cap as an event, due just after it (events at the cap itself still run)
+            self.queue.push(math.nextafter(limit, math.inf), ev.END)
         heap, due, more, driver = self.queue.heap, self.queue.due, self.queue.more, self.driver
         pop = heapq.heappop
         wake, arrival, handoff = ev.ENGINE_WAKE, ev.ARRIVAL, ev.HANDOFF_ARRIVE
-        t, events = 0.0, 0
-        # Dispatch inlined (an if-chain by frequency beats a table of lambdas by one call per event).
-        while heap:
-            t = pop(heap)
-            if t > limit:
-                t = limit
+        t, ties = 0.0, 0
+        # Dispatch inlined (an if-chain by frequency beats a table of lambdas by one call per event); the loop
+        # counts events popped, and ends when the queue is empty, at END, or when the last batch is trained.
+        for events in itertools.count():
+            try:
+                t = pop(heap)
+            except IndexError:
                 break
             kind, a, b = due.pop(t)
             if more and t in more:  # several events due at exactly t: run them all, in order
-                events += self._run_tied(t, [(kind, a, b), *more.pop(t)])
+                if t > limit:
+                    t = limit
+                    break
+                ran = self._run_tied(t, [(kind, a, b), *more.pop(t)])
+                ties += ran - 1
                 if driver.finished_s is not None:
+                    events += 1
                     break
                 continue
-            events += 1
             if kind == wake:
                 if b == a._token:  # else superseded by a replan
                     a.on_wake(t)
@@ -95,10 +106,15 @@ class Simulation:
                 driver.on_arrival(a, t)
             elif kind == handoff:
                 a.on_handoff_arrive(b, t)
+            elif kind == ev.END:
+                t = limit
+                break
             else:
                 self._dispatch(kind, a, b, t)
                 if driver.finished_s is not None:
+                    events += 1
                     break  # the last batch is trained
+        events += ties
         self.events_processed = events
         end = t if driver.finished_s is None else driver.finished_s
         self.now = end
@@ -157,12 +173,6 @@ class Simulation:
                 engine_id=engine.engine_id,
                 output_tokens=req.output_tokens,
             )
-
-    def on_decode_finished(self, req: Request, engine: SimEngine, now: float) -> None:
-        if req.cancelled:
-            self.metrics.wasted_decoded_tokens += req.output_tokens
-            return
-        self.driver.on_turn_done(req, now)
 
     def emit_decode_progress(self, engine: SimEngine, now: float) -> None:
         for req in engine.seqs.values():

@@ -18,6 +18,7 @@ The run ends when `steps` batches have been trained, or at `duration_s` of virtu
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -58,6 +59,9 @@ class Driver:
         self.expected = 0  # trajectories submitted (restarts not counted twice)
         self._next_rid = 0
         self.on_weights_update: list[Callable[[float], None]] = []
+        self._max_model_len = sim.config.max_model_len
+        self._metrics = sim.metrics
+        self._queue = sim.queue
 
     # -- steps ------------------------------------------------------------------------------------------------------
 
@@ -120,7 +124,7 @@ class Driver:
                 )
         elif observed:
             sim.emit(ev.TOOL_CALL_END, traj, now, turn=traj.turn - 1)
-        if traj.context_tokens > sim.config.max_model_len:
+        if traj.context_tokens > self._max_model_len:
             # The engine would reject the prompt: the trajectory ends here, as the live driver ends it.
             sim.metrics.trajectories_truncated += 1
             self._trajectory_done(traj, now, turns_done=traj.turn)
@@ -128,10 +132,7 @@ class Driver:
         self._next_rid += 1
         req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
-        metrics, new_tokens = (
-            sim.metrics,
-            turn.new_prompt_tokens,
-        )  # Metrics.on_turn_submitted, inlined (per turn)
+        metrics, new_tokens = self._metrics, turn.new_prompt_tokens  # Metrics.on_turn_submitted, inlined
         metrics.turns_submitted += 1
         metrics.new_prompt_tokens += new_tokens
         row, index = metrics.demand_row, int(now / metrics.window_s)
@@ -156,7 +157,7 @@ class Driver:
         turn = turns[k]
         traj.request = None
         traj.decoded_tokens += req.output_tokens  # a migrated request carries only what was left to decode
-        metrics = self.sim.metrics
+        metrics = self._metrics
         metrics.turns_finished += 1
         metrics.finished_output_tokens += turn.output_tokens
         if k + 1 == len(turns):
@@ -166,7 +167,13 @@ class Driver:
         traj.turn = k + 1
         if self.sim.observer is not None:
             self.sim.emit(ev.TOOL_CALL_START, traj, now, turn=k, latency_s=turn.tool_latency_s)
-        self.sim.queue.push(now + turn.tool_latency_s, ev.ARRIVAL, traj, traj.attempt)
+        # EventQueue.push, inlined (once per turn): the next turn is submitted when the tool call returns.
+        queue, t = self._queue, now + turn.tool_latency_s
+        if t in queue.due:
+            ev.push_more(queue.more, t, (ev.ARRIVAL, traj, traj.attempt))
+        else:
+            queue.due[t] = (ev.ARRIVAL, traj, traj.attempt)
+            heapq.heappush(queue.heap, t)
 
     def _trajectory_done(self, traj: Traj, now: float, turns_done: int | None = None) -> None:
         traj.alive = False

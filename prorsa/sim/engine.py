@@ -29,9 +29,9 @@ the result bit-identical to the general path: `tests/test_sim_speed_paths.py` co
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import deque
+from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
@@ -49,6 +49,8 @@ __all__ = ["ACTIVE", "DRAINING", "RECONFIG", "SimEngine"]
 
 ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3
+_RID_BITS = 48  # request ids below 2**48 (one per turn: ~10**14)
+_RID_MASK = (1 << _RID_BITS) - 1
 
 
 class SimEngine(RoleSwitching):
@@ -62,6 +64,7 @@ class SimEngine(RoleSwitching):
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
     __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
     __slots__ += ("_drop_pending", "prefill_tokens_done", "decode_tokens_done")
+    __slots__ += ("_observed", "_turn_done", "_head", "_tail", "_kv_global", "_kv_local", "_window")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         self.engine_id = engine_id
@@ -75,6 +78,10 @@ class SimEngine(RoleSwitching):
         # For the per-step wake-ups, which inline `EventQueue.push`.
         self._heap, self._due, self._more = sim.queue.heap, sim.queue.due, sim.queue.more
         self._cost = step_cost(profile)  # the perf model's formulas, precomputed for this profile
+        # `StepCost.jump_s`'s terms, for `_plan_jump` (which inlines it: a jump is planned twice per turn).
+        self._head, self._tail, self._kv_global, self._kv_local, self._window = self._cost.decode_terms()
+        self._observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
+        self._turn_done = sim.driver.on_turn_done
         self.state = ACTIVE
         self.target_role = ""
         self.cache = PrefixCache(profile.kv_capacity_tokens)
@@ -83,9 +90,11 @@ class SimEngine(RoleSwitching):
         self.queued_tokens = 0  # Σ est_tokens of `queue`
         self.active: list[Request] = []
         self._active_left = 0  # Σ (to_compute - computed) of `active`: prefill tokens still to compute
-        # Decode side: batch, finish heap (target_step, rid), step counter and context bookkeeping.
+        # Decode side: batch, finish heap of exactly the batch (a sequence that leaves early, migrated or cancelled,
+        # is taken out at once: `_forget_finishes`), step counter, context bookkeeping. A heap entry is one int,
+        # target_step << _RID_BITS | rid (ints compare faster than (target_step, rid) tuples, in the same order).
         self.seqs: dict[int, Request] = {}
-        self._finish_heap: list[tuple[int, int]] = []
+        self._finish_heap: list[int] = []
         self.steps_done = 0
         self._ctx_base = 0  # Σ (context - start_step): total context = _ctx_base + batch × steps_done
         self._target_sum = 0  # Σ target_step: tokens left = _target_sum - batch × steps_done
@@ -152,10 +161,21 @@ class SimEngine(RoleSwitching):
             # start: a lone prompt on an idle prefill engine (the common case of a tool-heavy workload), whose
             # prefix hit was just looked up (nothing in between changes this engine's cache).
             self._start_prefill(req, now, hit)
-            n = min(req.to_compute_tokens, self.p.prefill_batch_tokens)
+            p = self.p
+            n = req.to_compute_tokens
+            if n > p.prefill_batch_tokens:
+                n = p.prefill_batch_tokens
             self._chunks = [(req, n)]
-            compute_s = self._cost.prefill_compute_s(n, req.hit_tokens)
-            self._schedule(PREFILL_STEP, now, self.p.prefill_overhead_s + compute_s)
+            # _schedule, inlined (once per turn)
+            self.activity = PREFILL_STEP
+            self._t_start = now
+            self._token = token = self._token + 1
+            t = now + (p.prefill_overhead_s + self._cost.prefill_compute_s(n, req.hit_tokens))
+            if t in self._due:
+                ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
+            else:
+                self._due[t] = (ENGINE_WAKE, self, token)
+                heappush(self._heap, t)
             return
         self.queue.append(req)
         self.queued_tokens += req.est_tokens
@@ -165,10 +185,17 @@ class SimEngine(RoleSwitching):
         """Pull a prefilled request: reserve its KV and start the transfer."""
         req.engine = self
         req.kv_tokens = kv = req.context_tokens + req.output_tokens
-        self._reserve(kv)
+        self.kv_reserved += kv  # _reserve, inlined (once per turn)
+        if self.role == "mixed":
+            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         self.incoming += 1
         self.metrics.handoffs += 1
-        self._push(now + self._cost.kv_transfer_s(req.context_tokens), HANDOFF_ARRIVE, self, req)
+        t = now + self._cost.kv_transfer_s(req.context_tokens)
+        if t in self._due:  # EventQueue.push, inlined (once per turn)
+            ev.push_more(self._more, t, (HANDOFF_ARRIVE, self, req))
+        else:
+            self._due[t] = (HANDOFF_ARRIVE, self, req)
+            heappush(self._heap, t)
 
     def on_handoff_arrive(self, req: Request, now: float) -> None:
         self.incoming -= 1
@@ -283,15 +310,7 @@ class SimEngine(RoleSwitching):
             ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
         else:
             self._due[t] = (ENGINE_WAKE, self, token)
-            heapq.heappush(self._heap, t)
-
-    def _wake_at(self, t: float, token: int) -> None:
-        """Schedule this engine's wake-up at `t` (`EventQueue.push`, inlined)."""
-        if t in self._due:
-            ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
-        else:
-            self._due[t] = (ENGINE_WAKE, self, token)
-            heapq.heappush(self._heap, t)
+            heappush(self._heap, t)
 
     # -- prefill ----------------------------------------------------------------------------------------------------
 
@@ -329,9 +348,8 @@ class SimEngine(RoleSwitching):
             t = req.traj
             hit = self.cache.lookup(t.key, req.context_tokens, t.group_key, t.group_tokens)
         context = req.context_tokens
-        hit = min(hit, context - 1)  # the last prompt token is always recomputed (vLLM does)
-        if hit < 0:
-            hit = 0
+        if hit >= context:  # the last prompt token is always recomputed (vLLM does)
+            hit = context - 1 if context > 0 else 0
         req.hit_tokens = hit
         req.to_compute_tokens = to_compute = context - hit
         req.computed_tokens = 0
@@ -402,7 +420,7 @@ class SimEngine(RoleSwitching):
         t = req.traj
         self.cache.insert(t.key, req.context_tokens, now, t.group_key, t.group_tokens)
         t.last_engine = self
-        if self.sim.observer is not None:
+        if self._observed:
             self.sim.on_prefill_done(req, self, now)
         if self.role == "prefill":
             self.router.handoff(req, now)
@@ -416,16 +434,17 @@ class SimEngine(RoleSwitching):
     # -- decode -----------------------------------------------------------------------------------------------------
 
     def _join_batch(self, req: Request, now: float) -> None:
-        req.start_step = self.steps_done
-        req.target_step = self.steps_done + req.output_tokens
+        req.start_step = start = self.steps_done
+        req.target_step = target = start + req.output_tokens
         self.seqs[req.rid] = req
-        heapq.heappush(self._finish_heap, (req.target_step, req.rid))
-        self._ctx_base += req.context_tokens - req.start_step
-        self._target_sum += req.target_step
-        if self.sim.observer is not None:
+        heappush(self._finish_heap, target << _RID_BITS | req.rid)
+        self._ctx_base += req.context_tokens - start
+        self._target_sum += target
+        if self._observed:
             self.sim.on_decode_started(req, self, now)
 
     def _leave_batch(self, req: Request) -> None:
+        """Take a sequence out of the batch (its finish heap entry is the caller's: popped, or `_forget_finishes`)."""
         del self.seqs[req.rid]
         self._ctx_base -= req.context_tokens - req.start_step
         self._target_sum -= req.target_step
@@ -434,17 +453,35 @@ class SimEngine(RoleSwitching):
             self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         req.engine = None
 
+    def _forget_finishes(self) -> None:
+        """Drop the finish heap entries of sequences that left the batch early (migrated or cancelled: rare)."""
+        seqs = self.seqs
+        self._finish_heap = heap = [e for e in self._finish_heap if e & _RID_MASK in seqs]
+        heapify(heap)
+
     def _plan_jump(self, now: float) -> None:
-        heap, seqs = self._finish_heap, self.seqs
-        while True:
-            target, rid = heap[0]
-            req = seqs.get(rid)
-            if req is not None and req.target_step == target:
-                break
-            heapq.heappop(heap)  # stale entry of a migrated or cancelled sequence
-        m = target - self.steps_done
-        batch = len(seqs)
-        a, b = self._cost.jump_s(batch, self._ctx_base + batch * self.steps_done, m)
+        """Plan the decode steps up to the batch's next finish, and wake up then."""
+        done = self.steps_done
+        m = (self._finish_heap[0] >> _RID_BITS) - done
+        batch = len(self.seqs)
+        context = self._ctx_base + batch * done
+        head = self._head
+        if batch < len(head):  # StepCost.jump_s, inlined (its operations in its order: bit-identical)
+            head, tail, window = head[batch], self._tail[batch], self._window
+            kv = self._kv_global * context
+            if window > 0:
+                kv += self._kv_local * (context if context < batch * window else batch * window)
+            a = head + kv + tail
+            if m <= 1:
+                b = 0.0
+            else:
+                last = context + (m - 1) * batch
+                kv = self._kv_global * last
+                if window > 0:
+                    kv += self._kv_local * (last if last < batch * window else batch * window)
+                b = (head + kv + tail - a) / (m - 1)
+        else:  # a batch above max_batch (an empty engine admits whatever comes): the table grows there
+            a, b = self._cost.jump_s(batch, context, m)
         self._jump_steps, self._jump_a, self._jump_b = m, a, b
         # _schedule(JUMP, ...), inlined: the most frequent activity.
         self.activity = JUMP
@@ -455,33 +492,42 @@ class SimEngine(RoleSwitching):
             ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
         else:
             self._due[t] = (ENGINE_WAKE, self, token)
-            heapq.heappush(self._heap, t)
+            heappush(self._heap, t)
 
     def _interrupt(self, now: float) -> None:
         """End the current jump at the first step boundary at or after `now`."""
-        dt = now - self._t_start
+        t0 = self._t_start
+        dt = now - t0
         a, b, steps = self._jump_a, self._jump_b, self._jump_steps
-        if b > 0:
+        # k steps of the jump take k·a + b·k(k-1)/2 seconds: start at the whole part of the root for dt (written
+        # without cancellation, so it is within rounding of the true root, below the answer), then step up to the
+        # first boundary at or after now.
+        if b > 0 and dt > 0:
             c = a - b / 2
-            k = int((-c + math.sqrt(c**2 + 2 * b * dt)) / b)
+            k = int(2 * dt / (c + math.sqrt(c * c + 2 * b * dt)))
         else:
-            k = int(dt / a) if a > 0 else steps
-        k = max(0, k - 1)
-        # First boundary at or after now (k steps of the jump take k·a + b·k(k-1)/2 seconds).
-        while k < steps and k * a + b * k * (k - 1) / 2 < dt:
+            k = int(dt / a) if a > 0 else steps - 1
+        elapsed = k * a + b * k * (k - 1) / 2
+        while elapsed < dt and k < steps:
             k += 1
+            elapsed = k * a + b * k * (k - 1) / 2
         if k >= steps:
             return  # the planned wake-up is that boundary
         self._jump_steps = k
-        self._token += 1
-        end = self._t_start + (k * a + b * k * (k - 1) / 2)
+        self._token = token = self._token + 1
+        end = t0 + elapsed
         if k == 0 or end <= now:
             self._complete(now)
             self._boundary(now)
             return
-        self._wake_at(end, self._token)
+        if end in self._due:  # _wake_at, inlined
+            ev.push_more(self._more, end, (ENGINE_WAKE, self, token))
+        else:
+            self._due[end] = (ENGINE_WAKE, self, token)
+            heappush(self._heap, end)
 
     def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
+        """`m` decode steps of the whole batch ran from `t0` to `now`: count them, and finish what is done."""
         if m <= 0:
             return
         seqs = self.seqs
@@ -497,21 +543,29 @@ class SimEngine(RoleSwitching):
             row[index] += tokens
         else:
             spread(row, w, t0, now, tokens)
-        if self.sim.observer is not None:
+        if self._observed:
             self.sim.emit_decode_progress(self, now)
-        heap = self._finish_heap
-        while heap and heap[0][0] <= steps:
-            target, rid = heapq.heappop(heap)
-            req = seqs.get(rid)
-            if req is None or req.target_step != target:
+        heap, bound = self._finish_heap, (steps + 1) << _RID_BITS  # entries below `bound`: finished
+        while heap and heap[0] < bound:
+            req = seqs[heappop(heap) & _RID_MASK]
+            # _leave_batch, inlined (once per turn)
+            del seqs[req.rid]
+            self._ctx_base -= req.context_tokens - req.start_step
+            self._target_sum -= req.target_step
+            self.kv_reserved -= req.kv_tokens
+            req.engine = None
+            if req.cancelled:  # Simulation.on_decode_finished, inlined
+                if self.role == "mixed":
+                    self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
+                metrics.wasted_decoded_tokens += req.output_tokens
                 continue
-            self._leave_batch(req)
-            if self.role == "mixed" and not req.cancelled:
+            if self.role == "mixed":
+                self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
                 t = req.traj
                 self.cache.insert(
                     t.key, req.context_tokens + req.output_tokens, now, t.group_key, t.group_tokens
                 )
-            self.sim.on_decode_finished(req, self, now)
+            self._turn_done(req, now)
 
     def decoded_so_far(self, req: Request) -> int:
         return self.steps_done - req.start_step
@@ -523,9 +577,12 @@ class SimEngine(RoleSwitching):
 
     def drop_cancelled(self) -> None:
         """Remove decodes of aborted trajectories from the batch."""
-        for req in [r for r in self.seqs.values() if r.cancelled]:
+        cancelled = [r for r in self.seqs.values() if r.cancelled]
+        for req in cancelled:
             self.metrics.wasted_decoded_tokens += self.decoded_so_far(req)
             self._leave_batch(req)
+        if cancelled:
+            self._forget_finishes()
 
     # -- helpers ------------------------------------------------------------------------------------------------------
 

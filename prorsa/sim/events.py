@@ -22,6 +22,7 @@ HANDOFF_ARRIVE = 2  # a KV transfer to a decode engine completes (a: SimEngine, 
 RECONFIG_DONE = 3  # an engine finishes reconfiguring for its new role (a: SimEngine, b: token)
 POLICY_TICK = 4  # the allocator policy decides
 TRAINING_DONE = 5  # the trainer finishes a step's batch (a: step index)
+END = 6  # the duration cap is reached (due just after it)
 
 # Lifecycle event names passed to `SimObserver.on_event` (fields in the comment).
 TRAJECTORY_STARTED = "trajectory_started"  # step, task, policy_version, group, prompt_tokens, turns

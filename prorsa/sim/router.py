@@ -148,12 +148,16 @@ class Router:
             else:
                 a = pool[int(self._uniform() * n)]
                 b = pool[int(self._uniform() * n)]
-            load_a = len(a.seqs) + len(a.arrivals) + a.incoming + len(a.active)
-            load_b = len(b.seqs) + len(b.arrivals) + b.incoming + len(b.active)
-            best, held = (a, load_a) if load_a <= load_b else (b, load_b)
-            p = best.p
-            if held == 0 or (held < p.max_batch and best.kv_reserved + kv <= p.kv_capacity_tokens):
-                return best
+            load_a = len(a.seqs) + len(a.arrivals) + a.incoming
+            load_b = len(b.seqs) + len(b.arrivals) + b.incoming
+            if pool is self.mixed_pool:  # only a mixed engine prefills (its prompts hold KV too)
+                load_a += len(a.active)
+                load_b += len(b.active)
+            if load_b < load_a:
+                a, load_a = b, load_b
+            p = a.p
+            if load_a == 0 or (load_a < p.max_batch and a.kv_reserved + kv <= p.kv_capacity_tokens):
+                return a  # the less loaded of the two (the first on a tie), if it has room
         fits = [e for e in pool if e.has_decode_room(kv)]
         return min(fits, key=SimEngine.decode_load) if fits else None
 

@@ -47,6 +47,12 @@ class StepCost:
             self._head.append(p.decode_overhead_s + weights)
             self._tail.append(p.decode_per_seq_s * n)
 
+    def decode_terms(self) -> tuple[list[float], list[float], float, float, int]:
+        """What `jump_s` prices with, for a caller that inlines it: the per-batch tables (head: overhead + weights,
+        tail: per-sequence compute; the lists themselves, which grow in place), KV read cost per global and per
+        local-window token, and the local window (0: none)."""
+        return self._head, self._tail, self._kv_global, self._kv_local, self._window
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """`pm.decode_step_time_s(profile, batch, context_tokens)`."""
         if batch <= 0 or context_tokens < 0:
@@ -125,7 +131,7 @@ class StepCost:
         """`pm.kv_transfer_time_s(profile, tokens)`."""
         if tokens <= 0:
             return pm.kv_transfer_time_s(self._p, tokens)
-        local = min(tokens, self._window) * self._bytes_local
+        local = (tokens if tokens < self._window else self._window) * self._bytes_local
         return self._latency_s + (tokens * self._bytes_global + local) / self._bandwidth
 
 

@@ -54,10 +54,13 @@ class RoleSwitching:
         batch = len(self.seqs)
         step_s = self._cost.decode_step_s(batch, self._ctx_base + batch * self.steps_done)
         bound = self.sim.config.drain_bound_s
-        for req in [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]:
+        leaving = [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]
+        for req in leaving:
             decoded = self.decoded_so_far(req)
             self._leave_batch(req)
             self.sim.migrate(req, self, decoded, now)
+        if leaving:
+            self._forget_finishes()
 
     def _drained(self: SimEngine) -> bool:
         return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)

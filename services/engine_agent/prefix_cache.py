@@ -78,7 +78,7 @@ class PrefixCache:
             shared = self._groups.get(group)
             if shared is not None:
                 hit = max(hit, min(shared.tokens, group_tokens))
-        return min(hit, context_tokens)
+        return hit if hit < context_tokens else context_tokens
 
     def insert(self, key: str, tokens: int, now: float, group: str = "", group_tokens: int = 0) -> None:
         """Record that the engine now holds `tokens` of trajectory `key`'s prefix (most recently used).
@@ -88,11 +88,24 @@ class PrefixCache:
         """
         if tokens < 0 or group_tokens < 0:
             raise ValueError(f"negative token count: tokens={tokens} group_tokens={group_tokens}")
-        tokens = min(tokens, self._capacity)
-        shared = min(group_tokens, tokens) if group else 0
+        if tokens > self._capacity:
+            tokens = self._capacity
+        shared = (group_tokens if group_tokens < tokens else tokens) if group else 0
         entry = self._entries.get(key)
         if entry is not None and tokens > 0 and entry.group == (group if shared else ""):
-            self._update(key, entry, tokens, shared, now)  # the common case: a trajectory's next turn
+            # The common case, a trajectory's next turn (inline: the simulator inserts once per turn).
+            if shared:
+                prefix = self._groups[entry.group]
+                if shared > prefix.tokens:
+                    self._used += shared - prefix.tokens
+                    prefix.tokens = shared
+                prefix.last_used_s = now
+            charged = tokens - shared
+            self._used += charged - entry.charged_tokens
+            entry.tokens, entry.charged_tokens, entry.last_used_s = tokens, charged, now
+            self._entries.move_to_end(key)
+            if self._used > self._capacity:
+                self._evict_to(self._capacity, keep=key)
             return
         self._drop(key)
         if tokens == 0:
@@ -130,20 +143,6 @@ class PrefixCache:
         self._used = 0
 
     # -- internals ------------------------------------------------------------------------------------------
-
-    def _update(self, key: str, entry: _Entry, tokens: int, shared: int, now: float) -> None:
-        if shared:
-            group = self._groups[entry.group]
-            if shared > group.tokens:
-                self._used += shared - group.tokens
-                group.tokens = shared
-            group.last_used_s = now
-        charged = tokens - shared
-        self._used += charged - entry.charged_tokens
-        entry.tokens, entry.charged_tokens, entry.last_used_s = tokens, charged, now
-        self._entries.move_to_end(key)
-        if self._used > self._capacity:
-            self._evict_to(self._capacity, keep=key)
 
     def _ref_group(self, group: str, tokens: int, now: float) -> None:
         shared = self._groups.get(group)
