@@ -172,11 +172,14 @@ class PrefixCache:
     def _evict_to(self, limit: int, keep: str | None = None) -> int:
         """Evict least recently used entries and unreferenced groups until used <= limit; returns tokens freed."""
         freed = 0
+        entries, free_groups = self._entries, self._free_groups
         while self._used > limit:
-            victim = next((k for k in self._entries if k != keep), None)
-            free_group = next(iter(self._free_groups), None)
+            victim = next(iter(entries), None)  # the oldest entry, unless it is the one kept
+            if victim is not None and victim == keep:  # (callers keep the newest: this one is alone)
+                victim = next((k for k in entries if k != keep), None)
+            free_group = next(iter(free_groups), None) if free_groups else None
             if free_group is not None and (
-                victim is None or self._groups[free_group].last_used_s <= self._entries[victim].last_used_s
+                victim is None or self._groups[free_group].last_used_s <= entries[victim].last_used_s
             ):
                 del self._free_groups[free_group]
                 tokens = self._groups.pop(free_group).tokens
