@@ -82,6 +82,9 @@ class Service:
             self.metrics.serve(self.metrics_port)
         self.spawn(self._probe_loop_lag())
         await self.setup()
+        # A round trip to the server: it has processed our subscriptions, so a message published after start()
+        # returns reaches us (core NATS drops what nobody is subscribed to yet).
+        await self.nc.flush()
         self.log.info("service_started", nats=self.nats_url)
 
     async def run(self) -> None:
