@@ -18,7 +18,6 @@ The run ends when `steps` batches have been trained, or at `duration_s` of virtu
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -61,7 +60,6 @@ class Driver:
         self.on_weights_update: list[Callable[[float], None]] = []
         self._max_model_len = sim.config.max_model_len
         self._metrics = sim.metrics
-        self._queue = sim.queue
 
     # -- steps ------------------------------------------------------------------------------------------------------
 
@@ -167,13 +165,7 @@ class Driver:
         traj.turn = k + 1
         if self.sim.observer is not None:
             self.sim.emit(ev.TOOL_CALL_START, traj, now, turn=k, latency_s=turn.tool_latency_s)
-        # EventQueue.push, inlined (once per turn): the next turn is submitted when the tool call returns.
-        queue, t = self._queue, now + turn.tool_latency_s
-        if t in queue.due:
-            ev.push_more(queue.more, t, (ev.ARRIVAL, traj, traj.attempt))
-        else:
-            queue.due[t] = (ev.ARRIVAL, traj, traj.attempt)
-            heapq.heappush(queue.heap, t)
+        self.sim.queue.push(now + turn.tool_latency_s, ev.ARRIVAL, traj, traj.attempt)
 
     def _trajectory_done(self, traj: Traj, now: float, turns_done: int | None = None) -> None:
         traj.alive = False

@@ -166,16 +166,8 @@ class SimEngine(RoleSwitching):
             if n > p.prefill_batch_tokens:
                 n = p.prefill_batch_tokens
             self._chunks = [(req, n)]
-            # _schedule, inlined (once per turn)
-            self.activity = PREFILL_STEP
-            self._t_start = now
-            self._token = token = self._token + 1
-            t = now + (p.prefill_overhead_s + self._cost.prefill_compute_s(n, req.hit_tokens))
-            if t in self._due:
-                ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
-            else:
-                self._due[t] = (ENGINE_WAKE, self, token)
-                heappush(self._heap, t)
+            compute_s = self._cost.prefill_compute_s(n, req.hit_tokens)
+            self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
             return
         self.queue.append(req)
         self.queued_tokens += req.est_tokens
@@ -190,12 +182,7 @@ class SimEngine(RoleSwitching):
             self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         self.incoming += 1
         self.metrics.handoffs += 1
-        t = now + self._cost.kv_transfer_s(req.context_tokens)
-        if t in self._due:  # EventQueue.push, inlined (once per turn)
-            ev.push_more(self._more, t, (HANDOFF_ARRIVE, self, req))
-        else:
-            self._due[t] = (HANDOFF_ARRIVE, self, req)
-            heappush(self._heap, t)
+        self._push(now + self._cost.kv_transfer_s(req.context_tokens), HANDOFF_ARRIVE, self, req)
 
     def on_handoff_arrive(self, req: Request, now: float) -> None:
         self.incoming -= 1
@@ -307,6 +294,14 @@ class SimEngine(RoleSwitching):
         self._token = token = self._token + 1
         t = now + duration_s
         if t in self._due:  # _wake_at, inlined (once per prefill step)
+            ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
+        else:
+            self._due[t] = (ENGINE_WAKE, self, token)
+            heappush(self._heap, t)
+
+    def _wake_at(self, t: float, token: int) -> None:
+        """Schedule this engine's wake-up at `t` (`EventQueue.push` for engines)."""
+        if t in self._due:
             ev.push_more(self._more, t, (ENGINE_WAKE, self, token))
         else:
             self._due[t] = (ENGINE_WAKE, self, token)
@@ -520,11 +515,7 @@ class SimEngine(RoleSwitching):
             self._complete(now)
             self._boundary(now)
             return
-        if end in self._due:  # _wake_at, inlined
-            ev.push_more(self._more, end, (ENGINE_WAKE, self, token))
-        else:
-            self._due[end] = (ENGINE_WAKE, self, token)
-            heappush(self._heap, end)
+        self._wake_at(end, token)
 
     def _apply_decode_steps(self, m: int, t0: float, now: float) -> None:
         """`m` decode steps of the whole batch ran from `t0` to `now`: count them, and finish what is done."""
@@ -548,19 +539,11 @@ class SimEngine(RoleSwitching):
         heap, bound = self._finish_heap, (steps + 1) << _RID_BITS  # entries below `bound`: finished
         while heap and heap[0] < bound:
             req = seqs[heappop(heap) & _RID_MASK]
-            # _leave_batch, inlined (once per turn)
-            del seqs[req.rid]
-            self._ctx_base -= req.context_tokens - req.start_step
-            self._target_sum -= req.target_step
-            self.kv_reserved -= req.kv_tokens
-            req.engine = None
-            if req.cancelled:  # Simulation.on_decode_finished, inlined
-                if self.role == "mixed":
-                    self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
+            self._leave_batch(req)
+            if req.cancelled:  # its trajectory was aborted: the tokens are wasted, nobody waits for them
                 metrics.wasted_decoded_tokens += req.output_tokens
                 continue
             if self.role == "mixed":
-                self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
                 t = req.traj
                 self.cache.insert(
                     t.key, req.context_tokens + req.output_tokens, now, t.group_key, t.group_tokens
