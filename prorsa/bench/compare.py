@@ -1,7 +1,7 @@
 """Every allocator policy on the same workload, profile and seed, in one run (so comparisons are ratios from one
 run). `static:best` sweeps every P:D split of the fleet and keeps the one with the lowest average trajectory time.
-`oracle` runs as passes (`prorsa.sim.oracle`) whose first is a `prorsa` run: when the same `prorsa` spec is
-asked for too, that run is done once and serves both (recording it changes nothing in it)."""
+`oracle` is the hindsight search (`prorsa.sim.hindsight`); `POLICY@FORECASTER` runs a forecasting policy with
+another predictor (`prorsa@naive`, `prorsa@truth`)."""
 
 from __future__ import annotations
 
@@ -75,20 +75,11 @@ def compare_policies(
 
 
 def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict[str, Any]:
-    """One policy's JSON; a `prorsa` run that an `oracle` of `expanded` starts from is recorded and kept in
-    `firsts` (spec -> (SimResult, DemandRecord)) for it."""
-    oracles = [s for s in expanded if s.split(":")[0] == "oracle"]
-    if not oracles:
-        return run_simulation(config).to_json()
-    from prorsa.sim.oracle import first_pass, first_pass_spec, run_oracle  # the forecaster is heavy to import
-
-    if config.policy in {first_pass_spec(s) for s in oracles}:
-        first = first_pass(config)
-        firsts[config.policy] = first
-        return first[0].to_json()
-    if config.policy in oracles:
-        first = firsts.get(first_pass_spec(config.policy))
-        return run_oracle(config, first).to_json()
+    """One policy's JSON. A spec `POLICY@FORECASTER` runs POLICY with that forecaster (`truth`: fed the true
+    future demand), so the value of a forecast is a ratio from one run."""
+    policy, _, forecaster = config.policy.partition("@")
+    if forecaster:
+        config = dataclasses.replace(config, policy=policy, forecaster=forecaster)
     return run_simulation(config).to_json()
 
 

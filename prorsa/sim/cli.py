@@ -41,8 +41,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--forecaster",
         default="prorsa",
-        help="demand predictor fed to policies that plan on forecasts (prorsa, oracle's first pass): "
-        "naive, ewma, ets, arima, lifecycle, prorsa",
+        help="demand predictor fed to policies that plan on forecasts (prorsa): naive, ewma, ets, arima, "
+        "lifecycle, prorsa, or truth (the true future demand, run as passes: prorsa.sim.truth_feed)",
     )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     parser.add_argument(

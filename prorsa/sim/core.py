@@ -6,6 +6,7 @@ every `policy.interval_s` on a `ClusterView` built from the engines, exactly the
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -77,6 +78,34 @@ class Simulation:
         self.queue.push(self.policy.interval_s, ev.POLICY_TICK)
         if limit < math.inf:  # the cap as an event, due just after it (events at the cap itself still run)
             self.queue.push(math.nextafter(limit, math.inf), ev.END)
+        end = self._loop(limit)
+        self.now = end
+        self.metrics.finish(end)
+        return end
+
+    def fork(self, policy: AllocatorPolicy) -> Simulation:
+        """An independent copy of this run at its current state, deciding with `policy` from now on (the
+        hindsight oracle's look-ahead, `prorsa.sim.hindsight`). The workload, profile and config are shared:
+        nothing in a run writes to them."""
+        memo: dict[int, Any] = {id(self.policy): policy, id(self.config): self.config}
+        memo[id(self.profile)] = self.profile
+        memo[id(self.driver.workload)] = self.driver.workload
+        copy.deepcopy(self.queue, memo)  # first: it rebinds the queue's push closure for everything after
+        twin = copy.deepcopy(self, memo)
+        # The driver keys live trajectories by id(): the copies have ids of their own.
+        twin.driver.live_trajs = {id(t): t for t in twin.driver.live_trajs.values()}
+        return twin
+
+    def advance(self, until: float) -> float:
+        """Run a started simulation (a fork) up to virtual time `until` or its end; returns where it stopped.
+        The metrics are left open (`Metrics.finish` is not called): the run may go on."""
+        if until > self.now:
+            self.queue.push(until, ev.END)
+            self.now = self._loop(until)
+        return self.now
+
+    def _loop(self, limit: float) -> float:
+        """The event loop up to `limit` (an END event due then stops it); returns the time it stopped."""
         heap, due, more, driver = self.queue.heap, self.queue.due, self.queue.more, self.driver
         pop = heapq.heappop
         wake, arrival, handoff = ev.ENGINE_WAKE, ev.ARRIVAL, ev.HANDOFF_ARRIVE
@@ -93,10 +122,13 @@ class Simulation:
                 if t > limit:
                     t = limit
                     break
-                ran = self._run_tied(t, [(kind, a, b), *more.pop(t)])
+                ran, stopped = self._run_tied(t, [(kind, a, b), *more.pop(t)])
                 ties += ran - 1
                 if driver.finished_s is not None:
                     events += 1
+                    break
+                if stopped:
+                    t = limit
                     break
                 continue
             if kind == wake:
@@ -115,23 +147,25 @@ class Simulation:
                     events += 1
                     break  # the last batch is trained
         events += ties
-        self.events_processed = events
-        end = t if driver.finished_s is None else driver.finished_s
-        self.now = end
-        self.metrics.finish(end)
-        return end
+        self.events_processed += events
+        return t if driver.finished_s is None else driver.finished_s
 
-    def _run_tied(self, t: float, batch: list[tuple[int, Any, Any]]) -> int:
-        """Run events due at the same time `t` in order, until the last batch is trained; returns how many ran."""
+    def _run_tied(self, t: float, batch: list[tuple[int, Any, Any]]) -> tuple[int, bool]:
+        """Run events due at the same time `t` in order, until the last batch is trained or an END (`advance`),
+        which puts the events after it back; returns (how many ran, whether END stopped it)."""
         for n, (kind, a, b) in enumerate(batch, 1):
             if kind == ev.ENGINE_WAKE:
                 if b == a._token:
                     a.on_wake(t)
+            elif kind == ev.END:
+                for event in batch[n:]:
+                    self.queue.push(t, *event)
+                return n, True
             else:
                 self._dispatch(kind, a, b, t)
             if self.driver.finished_s is not None:
-                return n
-        return len(batch)
+                return n, False
+        return len(batch), False
 
     def _dispatch(self, kind: int, a: Any, b: Any, t: float) -> None:
         """The less frequent event kinds (and any kind, for events that tie in time)."""

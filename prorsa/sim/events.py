@@ -59,6 +59,25 @@ class EventQueue:
         self.more: dict[float, list[tuple[int, Any, Any]]] = {}
         self.push: Callable[..., None] = _pusher(self.heap, self.due, self.more)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> EventQueue:
+        """A fork's queue (`Simulation.fork`): the pending events copied, and a `push` bound to the copies — the
+        closure itself would keep pushing into this queue. Registered in `memo` so that engines holding `push`
+        get the new one."""
+        import copy
+
+        twin = EventQueue.__new__(EventQueue)
+        memo[id(self)] = twin
+        # Containers and push first, in memo, so that whatever the events reach (engines, the sim) maps to them.
+        twin.heap, twin.due, twin.more = list(self.heap), {}, {}
+        memo[id(self.heap)], memo[id(self.due)], memo[id(self.more)] = twin.heap, twin.due, twin.more
+        twin.push = _pusher(twin.heap, twin.due, twin.more)
+        memo[id(self.push)] = twin.push
+        for t, event in self.due.items():
+            twin.due[t] = copy.deepcopy(event, memo)
+        for t, events in self.more.items():
+            twin.more[t] = copy.deepcopy(events, memo)
+        return twin
+
     def pop(self) -> tuple[float, list[tuple[int, Any, Any]]]:
         """The earliest time and every event due then (in scheduling order), removed from the queue."""
         t = heapq.heappop(self.heap)

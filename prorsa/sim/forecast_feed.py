@@ -80,7 +80,7 @@ def decoded_at(engine: SimEngine, req: Request, now: float) -> int:
 
 
 class _NoLedger:
-    """The live feed needs no record of realised demand (the oracle keeps its own, `prorsa.sim.oracle`)."""
+    """The live feed needs no record of realised demand (a truth-fed run keeps its own, `prorsa.sim.truth_feed`)."""
 
     prefill_total_tokens = decode_total_tokens = 0.0
 

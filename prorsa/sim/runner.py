@@ -184,13 +184,18 @@ def run_simulation(config: SimConfig) -> SimResult:
     """Run one simulation. Raises ValueError (or WorkloadError / PolicyError) on a bad configuration.
 
     A policy that reads forecasts gets the live forecast feed (`prorsa.sim.forecast_feed`, predictor
-    `config.forecaster`); `oracle` runs as documented passes (`prorsa.sim.oracle.run_oracle`)."""
+    `config.forecaster`; `truth`: the true future demand, `prorsa.sim.truth_feed`); `oracle` is the hindsight search
+    (`prorsa.sim.hindsight`)."""
     profile = load_profile(config.profile)
     policy = make_policy(config.policy, config.engines, profile=profile)
     if policy.name == "oracle":
-        from prorsa.sim.oracle import run_oracle  # imported late: it imports this module
+        from prorsa.sim.hindsight import run_hindsight  # imported late: it imports this module
 
-        return run_oracle(config)
+        return run_hindsight(config)
+    if config.forecaster == "truth" and policy.uses_forecast:
+        from prorsa.sim.truth_feed import run_truth_fed  # imported late: it imports this module
+
+        return run_truth_fed(config)
     return simulate(config, policy, profile, _load_workload(config))
 
 

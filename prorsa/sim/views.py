@@ -3,7 +3,7 @@
 Rates and request statistics cover the interval since the previous view (the policy's interval), measured from
 cumulative counters, as the live allocator measures them from engine stats. `forecast` and `snapshot` come from a
 `DemandFeed` when the run has one (a policy that reads forecasts: `prorsa.sim.forecast_feed`, or the oracle's truth,
-`prorsa.sim.oracle`), else they stay None.
+`prorsa.sim.truth_feed`), else they stay None.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class ViewBuilder:
         self._finished = 0
         self._finished_out = 0
         self._submitted = 0
+        self._new_prompt = 0
 
     def build(self, now: float) -> ClusterView:
         sim, m = self.sim, self.sim.metrics
@@ -50,6 +51,7 @@ class ViewBuilder:
         computed = m.prefill_computed_tokens + m.migration_recompute_tokens
         starts = m.prefill_starts - self._starts
         finished = m.turns_finished - self._finished
+        submitted = m.turns_submitted - self._submitted
         snapshot, forecast = (
             self.feed.at(now, sim.engines.values()) if self.feed is not None else (None, None)
         )
@@ -64,7 +66,7 @@ class ViewBuilder:
             forecast=forecast,
             snapshot=snapshot,
             recent_window_s=dt,
-            recent_requests=m.turns_submitted - self._submitted,
+            recent_requests=submitted,
             recent_mean_isl_tokens=((m.prompt_tokens - self._prompt) - (m.prefix_hit_tokens - self._hits))
             / starts
             if starts
@@ -73,11 +75,13 @@ class ViewBuilder:
             recent_mean_osl_tokens=(m.finished_output_tokens - self._finished_out) / finished
             if finished
             else 0.0,
+            recent_mean_new_tokens=(m.new_prompt_tokens - self._new_prompt) / submitted if submitted else 0.0,
         )
         self._t, self._computed, self._decoded = now, computed, m.decoded_tokens
         self._starts, self._prompt, self._hits = m.prefill_starts, m.prompt_tokens, m.prefix_hit_tokens
         self._finished, self._finished_out = m.turns_finished, m.finished_output_tokens
         self._submitted = m.turns_submitted
+        self._new_prompt = m.new_prompt_tokens
         return view
 
     def _engine_view(self, e: SimEngine, dt: float) -> EngineView:

@@ -29,6 +29,7 @@ class RecentWindow:
     mean_isl_tokens: float
     mean_cached_tokens: float
     mean_osl_tokens: float
+    mean_new_tokens: float = 0.0  # new prompt tokens per submitted turn (what the client appended)
 
 
 @dataclass
@@ -71,7 +72,8 @@ class RecentLoad:
         else:
             isl = cached = 0.0
         osl = self.output_tokens / self.finished if self.finished else 0.0
-        out = RecentWindow(window_s, self.requests, isl, cached, osl)
+        new = self.submitted_new_tokens / self.requests if self.requests else 0.0
+        out = RecentWindow(window_s, self.requests, isl, cached, osl, new)
         for f in fields(self):
             setattr(self, f.name, f.default)
         self.started_s = now
@@ -139,4 +141,5 @@ def build_view(
         recent_mean_isl_tokens=recent.mean_isl_tokens,
         recent_mean_cached_tokens=recent.mean_cached_tokens,
         recent_mean_osl_tokens=recent.mean_osl_tokens,
+        recent_mean_new_tokens=recent.mean_new_tokens,
     )

@@ -80,6 +80,9 @@ class ClusterView:
     recent_mean_isl_tokens: float = 0.0
     recent_mean_cached_tokens: float = 0.0
     recent_mean_osl_tokens: float = 0.0
+    # New prompt tokens per turn submitted in the window (the observation the client appended; 0 = not measured):
+    # unlike the ISL it does not depend on where the turn was placed.
+    recent_mean_new_tokens: float = 0.0
 
     def roles(self) -> dict[str, str]:
         """engine_id → the role it will serve (its target when switching)."""

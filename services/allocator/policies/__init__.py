@@ -4,10 +4,10 @@
 |------------|---------------|---------------------------------------------------------------------|
 | `reactive` | reactive.py   | observed queues and KV use crossing thresholds, one flip per cooldown |
 | `dynamo`   | dynamo.py     | predicted request count, ISL, OSL → ⌈demand / per-engine throughput⌉ |
-| `prorsa`   | prorsa.py     | forecast demand + in-flight work → the split finishing soonest      |
-| `oracle`   | prorsa.py     | the same, fed the true future demand (simulator only)               |
+| `prorsa`   | prorsa.py     | a closed queueing model of the turn (turn_model.py) → least time per turn |
+| `oracle`   | prorsa.py     | hindsight search by forking the simulator (prorsa.sim.hindsight; simulator only) |
 
-Each takes `key=value` arguments after its name (e.g. `prorsa:margin=0.2:quantile=q90`) and the engines'
+Each takes `key=value` arguments after its name (e.g. `prorsa:margin=0.05`) and the engines'
 performance profile (`make_policy(spec, n, profile=...)`).
 """
 

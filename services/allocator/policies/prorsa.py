@@ -1,27 +1,32 @@
-"""`prorsa` and `oracle`: choose the prefill/decode split that finishes in-flight plus forecast work soonest.
+"""`prorsa`: choose the split under which the live trajectories finish soonest.
 
-Objective (details and the switch-cost model in `objective.py`): for every candidate split — P prefill engines and
-D = N − P decode engines for P in [floor, N − floor], plus one `mixed` engine standing in for a role whose work
-would not keep a whole engine busy — project the completion time T_h of the work in flight (queues, running decodes)
-plus the demand forecast over each horizon h, including the cost of the moves that reach it (drain + role switch
-delay, recomputed prefix cache and migrated decodes), and score it by the mean of T_h / h. Per-engine rates come from
-the performance model of the profile, corrected online by the EWMA of observed / modelled throughput.
+Objective, in the unit Prorsa is judged on: a trajectory's completion time is the sum of its turns' times, so for
+every candidate split the policy projects the mean time of one turn, R, from a closed queueing model of the agentic
+loop (`turn_model.py`: tool call, prefill wait and compute with the placement's cache misses, KV handoff, output
+tokens × TPOT at the batch each engine would hold, the DP-attention stall of mixed steps). With N live
+trajectories the cluster completes X = N / R turns a second; over the horizon H a split is worth the turns it
+completes, the first `switch_s` of a move spent in the transitional split (movers serve nothing while they drain
+and reconfigure; an engine that becomes decode-only also leaves its prefix cache to be recomputed, charged as
+prefill time). The score is the projected seconds per turn, N·H / turns(H): lower is better, and its ratio between
+two splits is the ratio of the trajectory times they give.
 
-Demand: the forecast's chosen quantile (q50 by default) per horizon: prefill_tokens arriving, decode_tokens to
-generate, decode_concurrency, kv_tokens (→ context per sequence). Without a forecast (`prorsa` only) it falls back to
-in-flight work plus the recent arrival rate (`recent_*` fields, else the observed prefill rate) over 10 s and 30 s.
+Candidates: every plain split P:D with P, D ≥ 1 (P ≥ 0 / D ≥ 0 where a role has no demand) and full colocation —
+so the obvious choices are always on the table (searched coarse-to-fine past 48 engines, `_search`).
 
-Decision rules:
-* floor: a role with demand (queued, running, computed lately or forecast) keeps at least one capable engine; a
-  split that breaks this is never chosen, and a view that breaks it is repaired at once (no hysteresis);
-* hysteresis: switch only if the best split beats the current one by more than `margin` (relative) and `min_gain`
-  (absolute, in horizon fractions), and the same direction of change won `persist` decisions in a row — noise in the
-  forecast then moves nothing;
-* the engines that move are those with the least work in flight.
+Inputs, all from the view (so the live allocator and the simulator run this same code):
+* the mean turn (`TurnShape`): new tokens per turn (`recent_mean_new_tokens`, else the ISL net of the recomputed
+  output under a split), output tokens, context at prefill (ISL + cached), tool time by Little's law from the
+  tracker snapshot (trajectories in a tool call / turns submitted per second);
+* N: live trajectories in the snapshot (else engines' requests + queued turns + those in a tool call by Little);
+* risk: the forecast's q10 / q50 / q90 of new prompt tokens over its longest horizon scale N (demand rising or
+  falling: more or fewer trajectories active), and the score is their weighted mean with weights 0.304 / 0.392 /
+  0.304, the three-point rule that reproduces a normal forecast's variance (q10, q90 = median ∓ 1.28 σ);
+* H: how long the split will serve — the live population changes by half in N / (2 φ), φ the trajectories
+  finishing per second (snapshot), between two decision intervals and `max_horizon_s`.
 
-`oracle` is the same optimisation fed the true future demand: the simulator builds `ClusterView.forecast` from the
-workload's truth. It raises PolicyError without a forecast, and acts on the first decision (`persist` = 1: the truth
-has no noise to wait out).
+Decision: move to the best candidate when it beats the current split by more than `margin` (the model's error
+tolerance; a switch's own cost is already in the score). A role with demand and no engine is repaired at once.
+Bad input (NaN or negative figures, an empty view) is refused with a PolicyError that the caller logs and counts.
 """
 
 from __future__ import annotations
@@ -31,17 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from proto import DemandForecast, Quantiles
+from proto import DemandForecast, LifecycleSnapshot
 from services.allocator.capacity import (
-    DEFAULT_CONTEXT_TOKENS,
     DEFAULT_ISL_TOKENS,
+    DEFAULT_OSL_TOKENS,
     CapacityModel,
-    request_means,
 )
 from services.allocator.policies.common import (
-    DECODE_CAPABLE,
     Split,
     current_split,
+    engines_by_role,
     floor_fix,
     forecast_of,
     initial_roles,
@@ -50,243 +54,363 @@ from services.allocator.policies.common import (
     parse_options,
     role_demand,
 )
-from services.allocator.policies.objective import HorizonDemand, Rates, move_costs, score
+from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
 
 QUANTILES = ("q10", "q50", "q90")
+# Three-point rule for a normal forecast: q10 and q90 lie at ∓1.2816 σ; weights w, 1 − 2w, w reproduce the
+# variance when 2 w · 1.2816² = 1.
+_SIDE_WEIGHT = 1.0 / (2.0 * 1.2816**2)
+SCENARIO_WEIGHTS = (_SIDE_WEIGHT, 1.0 - 2.0 * _SIDE_WEIGHT, _SIDE_WEIGHT)
+DEFAULT_TOOL_S = 1.0  # a tool call when nothing is measured yet (a web fetch or a sandbox run)
+LIVE_STATES = ("queued", "prefill", "decode", "tool_call")
 
 
 @dataclass
 class ProrsaPolicy(AllocatorPolicy):
     name: str = "prorsa"
-    uses_forecast: ClassVar[bool] = True  # plans on ClusterView.forecast (the truth for `oracle`)
+    uses_forecast: ClassVar[bool] = True
     interval_s: float = 5.0
     capacity: CapacityModel = field(default_factory=lambda: make_capacity(None))
-    margin: float = 0.10  # relative gain a switch must promise
-    min_gain: float = 0.02  # absolute gain, in fractions of the horizon
-    persist: int = 2  # decisions in a row the same direction must win
-    quantile: str = "q50"  # forecast quantile planned for
-    allow_mixed: int = 2  # 1: one mixed engine may stand in for a role with little work; 2: also full colocation where efficient
-    drain_timeout_s: float = 30.0  # decodes outlasting this are migrated by re-prefill (RoleSwitchCommand)
-    amortize_s: float = (
-        120.0  # a move's one-time cost is weighed against this long a split serves (objective.score)
-    )
-    # start-up roles: "split" (prefill_fraction of the engines prefill), "mixed", or "auto" (`colocation_efficient`)
-    initial: str = "auto"
-    # Colocation counts as efficient when a mixed engine prefills at least this share of a dedicated engine's rate.
-    # Set from the simulator's Table 2 runs (docs/benchmarks.md): splits beat colocation at 0.12 (deepseek-v3.2,
-    # 8 DP ranks), colocation wins at 0.36 (mimo-v2.5-pro) and 0.80 (qwen3-235b); 0.25, about the geometric mean
-    # of 0.12 and 0.5, leaves margin on both sides. (0.5 started mimo split and cost it 5-18 %.)
-    colocate_at: float = 0.25
-    fallback_horizons_s: tuple[float, ...] = (10.0, 30.0)
-    # start-up share of prefill engines: agentic turns are decode-bound once prefix caching serves the context
-    # (SWE trace: new prompt tokens per turn ≈ 0.6 × output tokens in steady state, DESIGN.md)
-    prefill_fraction: float = 0.25
-    require_forecast: bool = False
-    # split → score at the last decision (logs, tests)
+    margin: float = 0.03  # relative gain a move must promise beyond its own cost (model error tolerance)
+    # A switching engine keeps decodes expected to end within this and migrates the rest by re-prefill elsewhere
+    # (the simulator's drain bound, SimConfig.drain_bound_s; RoleSwitchCommand.drain_timeout_s live).
+    drain_timeout_s: float = 5.0
+    max_horizon_s: float = 300.0  # longest a split is trusted to serve (the forecast says little beyond)
+    # Queued prefill seconds above which placement sends a turn away from the engine holding its prefix (the
+    # simulator's router; the client's directory uses a queue depth of the same order).
+    affinity_s: float = 2.0
+    initial: str = "mixed"  # start-up roles: "mixed" (colocated) or "split" (initial_plan)
+    prefill_fraction: float = 0.25  # share of prefill engines when initial = "split"
+    # split → score at the last decision, and the reason (logs, tests, `prorsa top`)
     last_scores: dict[str, float] = field(default_factory=dict)
-    _pending: tuple[int, int, int] | None = field(default=None, repr=False)
-    _pending_count: int = field(default=0, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.quantile not in QUANTILES:
-            raise PolicyError(
-                f"{self.name}: quantile must be one of {', '.join(QUANTILES)}, got {self.quantile!r}"
-            )
-        if self.initial not in ("split", "mixed", "auto"):
-            raise PolicyError(f"{self.name}: initial must be split, mixed or auto, got {self.initial!r}")
-        if self.persist < 1:
-            raise PolicyError(f"{self.name}: persist must be >= 1")
+    last_shape: TurnShape | None = None
+    # The mean turn is estimated over many decisions (`_smooth`): one 5 s window holds a few dozen turns of
+    # heavy-tailed sizes, whose mean moves by tens of percent from window to window; a phase of the workload
+    # lasts minutes. Half of the estimate's weight is older than `shape_half_life_s`.
+    shape_half_life_s: float = 30.0
+    _shape_sums: tuple[float, float, float, float, float] = field(default=(0.0,) * 5, repr=False)
+    _finished: tuple[float, int] | None = field(default=None, repr=False)  # (ts, finished_total) last seen
+    _finish_rate: float = field(default=0.0, repr=False)
+    _turns_finished: float = field(default=0.0, repr=False)  # turns whose answer the estimate has seen
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
-        if self.initial == "mixed" or (self.initial == "auto" and self.colocation_efficient()):
+        """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
+        is the one split that starves neither; the first decision with a measured turn moves from there.
+        `initial=split` starts with `prefill_fraction` of the engines in prefill instead (an operator's choice)."""
+        if self.initial == "split":
             return Plan(
-                roles=dict.fromkeys(engine_ids, "mixed"), reason=f"{self.name}: initial roles (colocated)"
+                roles=initial_roles(engine_ids, self.prefill_fraction), reason=f"{self.name}: initial roles"
             )
         return Plan(
-            roles=initial_roles(engine_ids, self.prefill_fraction), reason=f"{self.name}: initial roles"
+            roles=dict.fromkeys(engine_ids, "mixed"), reason=f"{self.name}: initial roles (colocated)"
         )
 
-    def colocation_efficient(self) -> bool:
-        """Whether a mixed engine prefills at least `colocate_at` of a dedicated one's rate (at the default prompt
-        and a half-full decode batch): then colocation wastes little and starts without a split to guess. With
-        many DP attention ranks a prompt chunk on one rank stalls every rank's decode, and a split starts ahead."""
-        ctx = DEFAULT_CONTEXT_TOKENS
-        batch = self.capacity.decode_batch_limit(ctx) / 2
-        mixed_prefill, _, _ = self.capacity.mixed_tokens_per_s(batch, ctx, 0.0, DEFAULT_ISL_TOKENS)
-        return mixed_prefill >= self.colocate_at * self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS, 0.0)
+    # -- the decision -------------------------------------------------------------------------------------------
 
     def plan(self, view: ClusterView) -> Plan | None:
-        forecast = forecast_of(view)
-        if self.require_forecast and forecast is None:
-            raise PolicyError(
-                f"{self.name} needs the true future demand in ClusterView.forecast (simulator only)"
-            )
+        _check_view(view)
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
-        demands = self.demands(view, forecast)
-        if not any(d.prefill_tokens > 0 or d.decode_tokens > 0 for d in demands):
-            self._pending, self._pending_count = None, 0
+        snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
+        if view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
+            # turns finished in the window ≈ output tokens generated / mean answer
+            self._turns_finished += (
+                view.decode_tokens_per_s * view.recent_window_s / view.recent_mean_osl_tokens
+            )
+        shape = self._smooth(self.shape(view, current, snapshot), view)
+        self.last_shape = shape
+        n_live = self.live_trajectories(view, snapshot, shape)
+        horizon = self.horizon_s(view, snapshot, n_live)
+        scenarios = self.scenarios(view, forecast_of(view), n_live, shape, current)
+        self.last_scen = scenarios
+        if not any(n > 0 for n in scenarios):
             return floor_fix(view, self.name)  # nothing to plan for; only repair an empty role with demand
-        isl, cached, _ = request_means(view)
-        rates = Rates(self.capacity.prefill_tokens_per_s(isl, cached), cached, isl)
-        costs = move_costs(view, self.capacity, self.drain_timeout_s, rates)
-        scored = self._search(
-            current,
-            self.candidates(len(view.engines), prefill_demand, decode_demand, demands, rates),
-            lambda c: score(c, current, demands, self.capacity, rates, costs, self.amortize_s),
-        )
-        current_score = scored.get(current)
-        if current_score is None:
-            current_score = score(current, current, demands, self.capacity, rates, costs, self.amortize_s)
+        switch = self._switch_costs(view)
+        cands = self.candidates(len(view.engines), prefill_demand, decode_demand)
+
+        def evaluate(c: Split) -> float:
+            return self.score(c, current, shape, scenarios, horizon, switch)
+
+        scored = _search(current, cands, evaluate)
+        current_j = scored.get(current)
+        if current_j is None:
+            current_j = evaluate(current)
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
-        return self._decide(view, current, best, current_score, scored[best], prefill_demand, decode_demand)
-
-    def _decide(
-        self,
-        view: ClusterView,
-        current: Split,
-        best: Split,
-        current_j: float,
-        best_j: float,
-        prefill_demand: bool,
-        decode_demand: bool,
-    ) -> Plan | None:
-        reason = f"{self.name}: {current} -> {best}, projected {current_j:.3f} -> {best_j:.3f} of the horizon"
+        reason = (
+            f"{self.name}: {current} -> {best}, projected {current_j:.2f} -> {scored[best]:.2f} s per turn "
+            f"(N={n_live:.0f}, H={horizon:.0f} s)"
+        )
         if not current.covers(prefill_demand, decode_demand):
-            self._pending, self._pending_count = None, 0
             return Plan(
                 roles=moves_for_split(view, best), reason=reason + " (a role with demand had no engine)"
             )
-        gain = current_j - best_j
-        worth = (
-            best != current
-            and gain > self.min_gain
-            and (math.isinf(current_j) or gain > self.margin * current_j)
-        )
-        if not worth:
-            self._pending, self._pending_count = None, 0
+        if best == current or not (scored[best] < current_j * (1.0 - self.margin)):
             return None
-        direction = (
-            _sign(best.prefill - current.prefill),
-            _sign(best.decode - current.decode),
-            _sign(best.mixed - current.mixed),
-        )
-        self._pending_count = self._pending_count + 1 if direction == self._pending else 1
-        self._pending = direction
-        if self._pending_count < self.persist:
+        if self._turns_finished < n_live:
+            # Until about one turn per live trajectory has finished, the mean turn is whichever turns came first
+            # (a step's first prompts, the shortest answers): a move on it would be a guess.
             return None
-        self._pending, self._pending_count = None, 0
+        # Robust: the move must also win in each scenario the forecast allows, not only on average.
+        mine = self.scenario_scores(current, current, shape, scenarios, horizon, switch)
+        theirs = self.scenario_scores(best, current, shape, scenarios, horizon, switch)
+        if any(b > c for b, c in zip(theirs, mine, strict=True)):
+            return None
         return Plan(roles=moves_for_split(view, best), reason=reason)
 
-    @staticmethod
-    @staticmethod
-    def _search(
-        current: Split, candidates: list[Split], evaluate: Callable[[Split], float]
-    ) -> dict[Split, float]:
-        """Scores of the candidates worth scoring: all of them up to 48 plain splits; beyond, a coarse-to-fine
-        search over P (every ⌈n/16⌉-th split, then a quarter of that step around the best, down to step 1) —
-        the score is near-unimodal in P (prefill time falls and decode time rises as P grows). Mixed candidates
-        and the current split are always scored."""
-        plain = [c for c in candidates if not c.mixed]  # ascending P
-        if len(plain) <= 48:
-            return {c: evaluate(c) for c in candidates}
-        scored = {c: evaluate(c) for c in candidates if c.mixed or c == current}
-        lo, hi, step = 0, len(plain) - 1, math.ceil(len(plain) / 16)
-        while True:
-            probe = [*range(lo, hi + 1, step), hi]
-            for i in probe:
-                if plain[i] not in scored:
-                    scored[plain[i]] = evaluate(plain[i])
-            best = min(probe, key=lambda i: scored[plain[i]])
-            if step == 1:
-                return scored
-            lo, hi = max(0, best - step), min(len(plain) - 1, best + step)
-            step = max(1, step // 4)
-
-    def candidates(
+    def score(
         self,
-        n: int,
-        prefill_demand: bool,
-        decode_demand: bool,
-        demands: Sequence[HorizonDemand],
-        rates: Rates,
-    ) -> list[Split]:
-        """Splits that keep an engine for every role with demand (module doc)."""
+        target: Split,
+        current: Split,
+        shape: TurnShape,
+        scenarios: Sequence[float],
+        horizon_s: float,
+        switch: _SwitchCosts,
+    ) -> float:
+        """Projected seconds per turn of `target` reached from `current` (module doc), over the scenarios."""
+        per_scenario = self.scenario_scores(target, current, shape, scenarios, horizon_s, switch)
+        return sum(w * j for w, j in zip(SCENARIO_WEIGHTS, per_scenario, strict=True))
+
+    def scenario_scores(
+        self,
+        target: Split,
+        current: Split,
+        shape: TurnShape,
+        scenarios: Sequence[float],
+        horizon_s: float,
+        switch: _SwitchCosts,
+    ) -> list[float]:
+        """Projected seconds per turn of `target` in each scenario (0 where nobody is live)."""
+        out: list[float] = []
+        switch_s, transit = switch.of(current, target)
+        recompute_s = switch.recompute_s(current, target, self.capacity, shape) if switch_s > 0 else 0.0
+        for n in scenarios:
+            if n <= 0:
+                out.append(0.0)
+                continue
+            steady = self._turn(target, shape, n)
+            if not math.isfinite(steady.turn_s):
+                out.append(math.inf)
+                continue
+            if switch_s > 0:
+                moving = self._turn(transit, shape, n) if transit.total else _STOPPED
+                turns = projected_turns(steady, moving, switch_s, horizon_s)
+                # While the target's prefill engines recompute dropped caches they serve no new turn.
+                turns -= steady.turns_per_s * min(recompute_s, horizon_s)
+            else:
+                turns = steady.turns_per_s * horizon_s
+            out.append(n * horizon_s / turns if turns > 0 else math.inf)
+        return out
+
+    def _turn(self, split: Split, shape: TurnShape, n: float) -> TurnTime:
+        return turn_time(split, shape, n, self.capacity, self.affinity_s)
+
+    # -- what the view says -------------------------------------------------------------------------------------
+
+    def shape(self, view: ClusterView, current: Split, snapshot: LifecycleSnapshot | None) -> TurnShape:
+        """The mean turn of the work at hand (module doc)."""
+        osl = view.recent_mean_osl_tokens if view.recent_mean_osl_tokens > 0 else DEFAULT_OSL_TOKENS
+        isl = view.recent_mean_isl_tokens if view.recent_mean_isl_tokens > 0 else DEFAULT_ISL_TOKENS
+        context = isl + max(0.0, view.recent_mean_cached_tokens)
+        if view.recent_mean_new_tokens > 0:
+            new = view.recent_mean_new_tokens
+        elif current.mixed:
+            new = isl  # a mixed engine caches prompt and answer: it computes only the new tokens
+        else:
+            new = max(1.0, isl - osl)  # a prefill engine recomputes the last answer (turn_model doc)
+        if view.recent_mean_isl_tokens <= 0 and snapshot is not None:
+            live = [t.context_tokens for t in snapshot.trajectories if t.state in LIVE_STATES]
+            if live:
+                context = max(context, sum(live) / len(live))
+        rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
+        tool = DEFAULT_TOOL_S
+        if snapshot is not None and rate > 0:
+            tool = snapshot.counts.get("tool_call", 0) / rate  # Little: in a tool = rate × tool time
+        return TurnShape(new, osl, max(context, new), tool)
+
+    def _smooth(self, now_shape: TurnShape, view: ClusterView) -> TurnShape:
+        """The window's shape folded into the running estimate, weighted by the turns it saw (class doc)."""
+        decay = 0.5 ** (max(view.recent_window_s, 0.0) / self.shape_half_life_s)
+        w = float(view.recent_requests)
+        acc = [a * decay for a in self._shape_sums]
+        values = (now_shape.new_tokens, now_shape.output_tokens, now_shape.context_tokens, now_shape.tool_s)
+        acc[0] += w
+        for i, v in enumerate(values, 1):
+            acc[i] += w * v
+        self._shape_sums = (acc[0], acc[1], acc[2], acc[3], acc[4])
+        if acc[0] <= 0:
+            return now_shape
+        new, out, ctx, tool = (a / acc[0] for a in acc[1:])
+        return TurnShape(new, out, max(ctx, new), tool)
+
+    def live_trajectories(
+        self, view: ClusterView, snapshot: LifecycleSnapshot | None, shape: TurnShape
+    ) -> float:
+        """N: live trajectories (snapshot), else what the engines hold plus those in a tool call (Little)."""
+        if snapshot is not None:
+            return float(sum(snapshot.counts.get(s, 0) for s in LIVE_STATES))
+        rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
+        held = sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len
+        return float(held) + rate * shape.tool_s
+
+    def horizon_s(self, view: ClusterView, snapshot: LifecycleSnapshot | None, n_live: float) -> float:
+        """H: the time the live population takes to change by half, within [2 intervals, max_horizon_s]."""
+        lo = 2.0 * self.interval_s
+        if snapshot is not None:
+            last = self._finished
+            if last is not None and view.now > last[0]:
+                rate = max(0, snapshot.finished_total - last[1]) / (view.now - last[0])
+                self._finish_rate = 0.5 * self._finish_rate + 0.5 * rate
+            self._finished = (view.now, snapshot.finished_total)
+        if self._finish_rate <= 0:
+            return self.max_horizon_s
+        return min(self.max_horizon_s, max(lo, n_live / (2.0 * self._finish_rate)))
+
+    def scenarios(
+        self,
+        view: ClusterView,
+        forecast: DemandForecast | None,
+        n_live: float,
+        shape: TurnShape,
+        current: Split,
+    ) -> tuple[float, float, float]:
+        """N under the forecast's q10 / q50 / q90 of new prompt tokens over its longest horizon: the median
+        scenario is the live population, the others scale it by the forecast's own spread (q10 / q50, q90 / q50)
+        — so the forecast sets the risk, and the model never feeds its own projection back into N. With nobody
+        live yet (the next step is about to start) the forecast's arrivals give N by Little's law."""
+        if forecast is None:
+            return (n_live, n_live, n_live)
+        h = max(forecast.horizons, key=lambda f: f.horizon_s)
+        if not (h.horizon_s > 0 and math.isfinite(h.horizon_s)):
+            return (n_live, n_live, n_live)
+        q = [float(getattr(h.prefill_tokens, name)) for name in QUANTILES]
+        for name, v in zip(QUANTILES, q, strict=True):
+            if not (math.isfinite(v) and v >= 0):
+                raise PolicyError(f"{self.name}: forecast {name} of prefill tokens is {v}")
+        lo, mid, hi = sorted(q)
+        if n_live > 0:
+            if mid <= 0:
+                return (n_live, n_live, n_live)
+            return (n_live * lo / mid, n_live, n_live * hi / mid)
+        r = self._turn(current, shape, float(len(view.engines))).turn_s
+        cycle = r if math.isfinite(r) else shape.tool_s
+        per_s = [v / h.horizon_s / max(shape.new_tokens, 1.0) for v in (lo, mid, hi)]  # turns per second
+        return (per_s[0] * cycle, per_s[1] * cycle, per_s[2] * cycle)
+
+    def _switch_costs(self, view: ClusterView) -> _SwitchCosts:
+        drain: dict[str, list[float]] = {}
+        cache: dict[str, list[float]] = {}
+        rate = self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS)
+        for role, members in engines_by_role(view).items():
+            acc_d, acc_c = [0.0], [0.0]
+            for e in members:
+                d = self.capacity.drain_s(role, e.in_flight_tokens, e.decode_batch, e.kv_used_tokens, rate)
+                acc_d.append(max(acc_d[-1], min(d, self.drain_timeout_s)))
+                # A prefill or mixed engine's prefix cache, or the KV of decodes a decode engine migrates.
+                held = max(e.kv_used_tokens, e.prefix_cache_tokens) if role != "decode" else e.kv_used_tokens
+                acc_c.append(acc_c[-1] + held)
+            drain[role], cache[role] = acc_d, acc_c
+        return _SwitchCosts(drain, cache, self.capacity.profile.role_switch_s)
+
+    def candidates(self, n: int, prefill_demand: bool, decode_demand: bool) -> list[Split]:
+        """Every plain split that keeps an engine for each role with demand, and full colocation."""
+        if n == 1:
+            return [Split(0, 0, 1)]
         p_min = 1 if prefill_demand else 0
         d_min = 1 if decode_demand else 0
         out = [Split(p, n - p) for p in range(p_min, n - d_min + 1)]
-        if n == 1 or (self.allow_mixed and n >= 2):
-            light_prefill = all(d.prefill_tokens < rates.prefill_per_engine * d.horizon_s for d in demands)
-            one_decoder = [
-                self.capacity.decode_cluster_tokens_per_s(1, d.sequences, d.context_per_seq_tokens)
-                for d in demands
-            ]
-            light_decode = all(
-                d.decode_tokens < r * d.horizon_s for d, r in zip(demands, one_decoder, strict=True)
-            )
-            if n == 1 or light_prefill:
-                out.append(Split(0, n - 1, 1))
-            if n >= 2 and light_decode:
-                out.append(Split(n - 1, 0, 1))
-        if self.allow_mixed >= 2 and n >= 2 and self.colocation_efficient():
-            # Colocation: where chunked prefill costs decode little (no DP attention), every engine doing both
-            # beats any split that leaves one role's engines idle part of the time. Hybrids (a few prefill
-            # engines beside mixed ones) are not offered: affinity routing sends most turns to the mixed engine
-            # that holds their cache, so the objective's model of them (prefill served by the dedicated engines
-            # first) does not hold.
-            out.append(Split(0, 0, n))
-        return [c for c in dict.fromkeys(out) if c.covers(prefill_demand, decode_demand)]
-
-    def demands(self, view: ClusterView, forecast: DemandForecast | None) -> list[HorizonDemand]:
-        """In-flight work plus forecast (or, without one, recent) demand per horizon (module doc)."""
-        isl, _, osl = request_means(view)
-        roles = view.roles()
-        decoders = [e for e in view.engines if roles[e.engine_id] in DECODE_CAPABLE]
-        owed = sum(max(0, e.in_flight_tokens - e.queued_prefill_tokens) for e in decoders)
-        batch_now = sum(e.decode_batch for e in view.engines)
-        kv_now = sum(e.kv_used_tokens for e in decoders)
-        ctx_now = kv_now / batch_now if batch_now and kv_now else DEFAULT_CONTEXT_TOKENS
-        seqs_now = float(batch_now + view.decode_queue_len)
-        queued_decode = view.decode_queue_len * osl
-        out: list[HorizonDemand] = []
-        if forecast is not None:
-            for h in sorted(forecast.horizons, key=lambda h: h.horizon_s):
-                if not (h.horizon_s > 0 and math.isfinite(h.horizon_s)):
-                    continue
-                seqs = self._q(h.decode_concurrency) or seqs_now
-                kv = self._q(h.kv_tokens)
-                wd = max(self._q(h.decode_tokens), owed) + queued_decode
-                ctx = kv / seqs if kv > 0 and seqs > 0 else ctx_now
-                out.append(
-                    _horizon(
-                        h.horizon_s, view.prefill_queue_tokens + self._q(h.prefill_tokens), wd, seqs, ctx
-                    )
-                )
-        if not out:
-            if view.recent_window_s > 0 and view.recent_requests > 0:
-                arrival = view.recent_requests * isl / view.recent_window_s
-            else:
-                arrival = view.prefill_tokens_per_s
-            for hs in self.fallback_horizons_s:
-                wd = max(owed, view.decode_tokens_per_s * hs) + queued_decode
-                out.append(_horizon(hs, view.prefill_queue_tokens + arrival * hs, wd, seqs_now, ctx_now))
-        return out
-
-    def _q(self, q: Quantiles) -> float:
-        value = float(getattr(q, self.quantile))
-        return value if math.isfinite(value) and value > 0 else 0.0
+        out.append(Split(0, 0, n))
+        return [c for c in out if c.covers(prefill_demand, decode_demand)]
 
 
-def _horizon(h: float, wp: float, wd: float, seqs: float, ctx: float) -> HorizonDemand:
-    seqs = max(seqs, 1.0) if wd > 0 else max(seqs, 0.0)  # work to decode runs on at least one sequence
-    return HorizonDemand(h, max(0.0, wp), max(0.0, wd), seqs, max(1.0, ctx))
+_STOPPED = TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, 0.0)
 
 
-def _sign(x: int) -> int:
-    return (x > 0) - (x < 0)
+@dataclass(frozen=True)
+class _SwitchCosts:
+    """What moving the k cheapest engines out of each role costs (prefix maxima / sums, index k)."""
+
+    drain_s: dict[str, list[float]]  # longest drain among the k movers (capped at the drain timeout)
+    cache_tokens: dict[str, list[float]]  # prefix cache the k movers hold
+    switch_s: float  # reconfiguration once drained
+
+    def movers(self, current: Split, target: Split) -> dict[str, int]:
+        return {r: max(0, current.of(r) - target.of(r)) for r in ("prefill", "decode", "mixed")}
+
+    def of(self, current: Split, target: Split) -> tuple[float, Split]:
+        """(seconds until the target serves, the split that serves meanwhile)."""
+        out = self.movers(current, target)
+        if not any(out.values()):
+            return 0.0, target
+        drain = max(self.drain_s[r][min(k, len(self.drain_s[r]) - 1)] for r, k in out.items())
+        stay = Split(*(min(current.of(r), target.of(r)) for r in ("prefill", "decode", "mixed")))
+        return self.switch_s + drain, stay
+
+    def recompute_s(self, current: Split, target: Split, cap: CapacityModel, shape: TurnShape) -> float:
+        """Seconds the target's prefill engines spend recomputing what a move loses: decodes migrated off decode
+        movers, and the prefix caches of movers that become decode-only (a move between prefill and mixed keeps
+        its cache: one KV layout serves both)."""
+        gained_decode = max(0, target.decode - current.decode)
+        if not gained_decode or not (target.prefill + target.mixed):
+            return 0.0
+        out = self.movers(current, target)
+        lost = sum(
+            self.cache_tokens[r][min(k, len(self.cache_tokens[r]) - 1)]
+            for r, k in out.items()
+            if r != "decode"
+        )
+        rate = cap.prefill_tokens_per_s(max(1.0, shape.context_tokens), 0.0)
+        return lost / (rate * (target.prefill + target.mixed))
+
+
+def _check_view(view: ClusterView) -> None:
+    """Refuse a view with figures no engine or window can have (NaN, negative): PolicyError, logged by the caller."""
+    if not view.engines:
+        raise PolicyError("view has no engines")
+    figures = {
+        "prefill_queue_tokens": view.prefill_queue_tokens,
+        "prefill_tokens_per_s": view.prefill_tokens_per_s,
+        "decode_tokens_per_s": view.decode_tokens_per_s,
+        "recent_window_s": view.recent_window_s,
+        "recent_mean_isl_tokens": view.recent_mean_isl_tokens,
+        "recent_mean_cached_tokens": view.recent_mean_cached_tokens,
+        "recent_mean_osl_tokens": view.recent_mean_osl_tokens,
+        "recent_mean_new_tokens": view.recent_mean_new_tokens,
+    }
+    for name, v in figures.items():
+        if not (math.isfinite(v) and v >= 0):
+            raise PolicyError(f"view field {name} is {v}")
+    for e in view.engines:
+        for name in ("running", "waiting", "decode_batch", "kv_used_tokens", "in_flight_tokens"):
+            v = getattr(e, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise PolicyError(f"engine {e.engine_id}: {name} is {v}")
+
+
+def _search(
+    current: Split, candidates: list[Split], evaluate: Callable[[Split], float]
+) -> dict[Split, float]:
+    """Scores of the candidates worth scoring: all of them up to 48 plain splits; beyond, a coarse-to-fine
+    search over P (every ⌈n/16⌉-th split, then a quarter of that step around the best, down to step 1) — the
+    score is near-unimodal in P (prefill time falls and decode time rises as P grows). Colocation and the
+    current split are always scored."""
+    plain = [c for c in candidates if not c.mixed]  # ascending P
+    if len(plain) <= 48:
+        return {c: evaluate(c) for c in candidates}
+    scored = {c: evaluate(c) for c in candidates if c.mixed or c == current}
+    lo, hi, step = 0, len(plain) - 1, math.ceil(len(plain) / 16)
+    while True:
+        probe = [*range(lo, hi + 1, step), hi]
+        for i in probe:
+            if plain[i] not in scored:
+                scored[plain[i]] = evaluate(plain[i])
+        best = min(probe, key=lambda i: scored[plain[i]])
+        if step == 1:
+            return scored
+        lo, hi = max(0, best - step), min(len(plain) - 1, best + step)
+        step = max(1, step // 4)
 
 
 def _distance(a: Split, b: Split) -> int:
@@ -295,28 +419,41 @@ def _distance(a: Split, b: Split) -> int:
 
 _OPTIONS: dict[str, float | int | str] = {
     "interval_s": 5.0,
-    "margin": 0.10,
-    "min_gain": 0.02,
-    "persist": 2,
-    "quantile": "q50",
-    "allow_mixed": 2,
-    "drain_timeout_s": 30.0,
+    "margin": 0.03,
+    "drain_timeout_s": 5.0,
+    "max_horizon_s": 300.0,
+    "affinity_s": 2.0,
+    "initial": "mixed",
     "prefill_fraction": 0.25,
-    "amortize_s": 120.0,
-    "initial": "auto",
-    "colocate_at": 0.25,
 }
 
 
+@dataclass
+class OracleSpec(AllocatorPolicy):
+    """`oracle`: the hindsight search over the simulator (prorsa.sim.hindsight). It forks the simulated cluster,
+    so it cannot run live: `plan` refuses."""
+
+    name: str = "oracle"
+    interval_s: float = 10.0
+    lookahead_s: float = 60.0
+
+    def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
+        return Plan(roles=dict.fromkeys(engine_ids, "mixed"), reason="oracle: placeholder roles")
+
+    def plan(self, view: ClusterView) -> Plan | None:
+        raise PolicyError("oracle is a hindsight search that forks the simulator: simulator only")
+
+
+def make_oracle(args: Sequence[str], n_engines: int, profile: object | None = None) -> OracleSpec:
+    """`oracle[:interval_s=..][:lookahead_s=..]` (simulator only). Raises PolicyError on bad arguments."""
+    opts = parse_options("oracle", args, {"interval_s": 10.0, "lookahead_s": 60.0})
+    return OracleSpec(**opts)  # type: ignore[arg-type]
+
+
 def make_prorsa(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
-    """`prorsa[:key=value...]`, keys: interval_s, margin, min_gain, persist, quantile (q10|q50|q90), allow_mixed
-    (0|1|2), drain_timeout_s, prefill_fraction, amortize_s, initial (auto|split|mixed), colocate_at. Raises
-    PolicyError on bad arguments or profile."""
+    """`prorsa[:key=value...]`, keys: interval_s, margin, drain_timeout_s, max_horizon_s, affinity_s, initial
+    (mixed|split), prefill_fraction. Raises PolicyError on bad arguments or profile."""
     opts = parse_options("prorsa", args, _OPTIONS)
+    if opts["initial"] not in ("mixed", "split"):
+        raise PolicyError(f"prorsa: initial must be mixed or split, got {opts['initial']!r}")
     return ProrsaPolicy(capacity=make_capacity(profile), **opts)  # type: ignore[arg-type]
-
-
-def make_oracle(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
-    """`oracle[:key=value...]` (same keys as prorsa, persist defaults to 1). Needs a truth forecast in every view."""
-    opts = parse_options("oracle", args, {**_OPTIONS, "persist": 1})
-    return ProrsaPolicy(name="oracle", capacity=make_capacity(profile), require_forecast=True, **opts)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""`oracle` in the simulator: passes fed the previous pass's realised demand, deterministic, a bench row."""
+"""A policy fed the true future demand (`--forecaster truth`): passes fed the previous pass's realised demand."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 
 from prorsa.bench.compare import compare_policies
 from prorsa.sim import cli
-from prorsa.sim.oracle import DemandRecord, first_pass_spec
+from prorsa.sim.truth_feed import DemandRecord
 from prorsa.sim.runner import SimConfig, run_simulation
 
 SMALL = SimConfig(
-    workload="profile:math", engines=3, batch_size=8, seed=3, policy="oracle", forecaster="lifecycle"
+    workload="profile:math", engines=3, batch_size=8, seed=3, policy="prorsa", forecaster="truth"
 )
 
 
@@ -61,22 +61,21 @@ def test_the_record_samples_kv_at_decisions() -> None:
 
 
 @pytest.fixture(scope="module")
-def oracle_json() -> dict[str, Any]:
+def truth_json() -> dict[str, Any]:
     return run_simulation(SMALL).to_json()
 
 
-def test_oracle_runs_as_deterministic_passes_and_keeps_the_best(oracle_json: dict[str, Any]) -> None:
-    data = oracle_json
+def test_truth_fed_runs_as_deterministic_passes_and_keeps_the_best(truth_json: dict[str, Any]) -> None:
+    data = truth_json
     assert run_simulation(SMALL).to_json() == data
-    passes = data["oracle"]["passes"]
-    assert passes[0]["policy"] == "prorsa" and 2 <= len(passes) <= 3
-    assert all(p["policy"] == "oracle" for p in passes[1:])
+    passes = data["truth_passes"]["passes"]
+    assert 2 <= len(passes) <= 3 and all(p["policy"] == "prorsa" for p in passes)
     assert data["rollout_s"] == min(p["rollout_s"] for p in passes[1:])
-    assert passes[data["oracle"]["chosen_pass"] - 1]["rollout_s"] == data["rollout_s"]
-    assert data["config"]["policy"] == "oracle" and data["trajectories_completed"] == SMALL.batch_size
+    assert passes[data["truth_passes"]["chosen_pass"] - 1]["rollout_s"] == data["rollout_s"]
+    assert data["config"]["forecaster"] == "truth" and data["trajectories_completed"] == SMALL.batch_size
 
 
-def test_a_users_observer_sees_the_chosen_pass(oracle_json: dict[str, Any]) -> None:
+def test_a_users_observer_sees_the_chosen_pass(truth_json: dict[str, Any]) -> None:
     class Count:
         events = 0
 
@@ -85,23 +84,20 @@ def test_a_users_observer_sees_the_chosen_pass(oracle_json: dict[str, Any]) -> N
 
     watched = run_simulation(dataclasses.replace(SMALL, observer=Count()))
     assert Count.events > 0
-    assert watched.to_json() == oracle_json
+    assert watched.to_json() == truth_json
 
 
-def test_the_bench_row_of_oracle_is_a_result_and_reuses_the_prorsa_run(oracle_json: dict[str, Any]) -> None:
-    base = dataclasses.replace(SMALL, policy="colocated")
-    rows, full = compare_policies(base, ["prorsa", "oracle"])
+def test_the_bench_runs_a_policy_with_another_forecaster(truth_json: dict[str, Any]) -> None:
+    base = dataclasses.replace(SMALL, forecaster="lifecycle")
+    rows, full = compare_policies(base, ["prorsa@truth", "prorsa@naive"])
     by = {r["policy"]: r for r in rows}
-    assert "error" not in by["oracle"] and by["oracle"]["trajectories_completed"] == SMALL.batch_size
-    # Pass 1 is exactly the prorsa run, and the bench's oracle is the plain entry point's.
-    assert oracle_json["oracle"]["passes"][0]["rollout_s"] == by["prorsa"]["rollout_s"]
-    assert full["oracle"] == oracle_json
-    assert first_pass_spec("oracle:margin=0.2") == "prorsa:margin=0.2"
+    assert by["prorsa@truth"]["avg_trajectory_s"] == truth_json["avg_trajectory_s"]
+    assert full["prorsa@naive"]["config"]["forecaster"] == "naive"
 
 
-def test_prorsa_sim_cli_runs_oracle(tmp_path, oracle_json: dict[str, Any]) -> None:
-    out = tmp_path / "oracle.json"
+def test_prorsa_sim_cli_runs_truth_fed(tmp_path, truth_json: dict[str, Any]) -> None:
+    out = tmp_path / "truth.json"
     argv = ["--workload", "profile:math", "--engines", "3", "--batch-size", "8", "--seed", "3"]
-    argv += ["--policy", "oracle", "--forecaster", "lifecycle", "--json", str(out)]
+    argv += ["--policy", "prorsa", "--forecaster", "truth", "--json", str(out)]
     assert cli.main(argv) == 0
-    assert json.loads(out.read_text())["oracle"] == oracle_json["oracle"]
+    assert json.loads(out.read_text())["truth_passes"] == truth_json["truth_passes"]

@@ -1,17 +1,19 @@
-"""`oracle`: prorsa's optimisation fed the true future demand, run as passes over the same configuration.
+"""A forecasting policy fed the true future demand (`--forecaster truth`), run as passes over the same config.
+
+This measures what a perfect *forecast* is worth to a policy (the bench's "value of the forecast"); the limit of
+what any *policy* can do is the hindsight search, `prorsa.sim.hindsight` (policy `oracle`).
 
 The future demand depends on the decisions (a different split moves every later turn), so no single run can be fed
 its own future. Passes:
-  1. run the policy `prorsa` (with its live forecast feed) and record the demand that really happened
+  1. run the policy (with the `lifecycle` forecaster's live feed) and record the demand that really happened
      (`DemandRecord`: new prompt tokens at submission, output tokens spread over each decode report interval — the
      `DemandLedger` definitions — decoding sequences over time, and the KV they hold at each decision);
-  k. (k >= 2) run `oracle` with `ClusterView.forecast` built from pass k-1's record: for each decision at t and
+  k. (k >= 2) run the policy with `ClusterView.forecast` built from pass k-1's record: for each decision at t and
      horizon h, the realised prefill and decode tokens over (t, t+h], the mean decoding sequences over (t, t+h] and
      the KV at t+h, with q10 = q50 = q90 = truth (`TruthForecast`);
-stopping after 3 passes, or as soon as an oracle pass's rollout_s is not shorter than the pass before it. The
-result is the oracle pass with the shortest rollout_s (then the lowest average trajectory time). An oracle is an
-upper bound on what a forecast can buy: choosing its best pass is fair, since any of them is a run of the same
-policy on the truth of a nearby run. Each pass is deterministic, so `run_oracle` is too. A user's
+stopping after 3 passes, or as soon as a truth-fed pass's rollout_s is not shorter than the pass before it. The
+result is the truth-fed pass with the shortest rollout_s (then the lowest average trajectory time): choosing the
+best pass is fair, since any of them is a run of the same policy on the truth of a nearby run. Each pass is deterministic, so `run_truth_fed` is too. A user's
 `config.observer` sees only the returned pass: it is run once more with the observer attached (same inputs, so
 the same run).
 
@@ -184,57 +186,52 @@ class _PassFeed:
         return None, self.truth.forecast(now) if self.truth is not None else None
 
 
-def first_pass_spec(oracle_spec: str) -> str:
-    """The policy of pass 1 for `oracle[:options]`: `prorsa` with the same options."""
-    _, _, options = oracle_spec.partition(":")
-    return "prorsa" + (":" + options if options else "")
+FIRST_PASS_FORECASTER = "lifecycle"
 
 
 def first_pass(config: SimConfig) -> tuple[SimResult, DemandRecord]:
-    """Pass 1: `config` (policy `prorsa[:options]`) with its live forecast feed, recorded. The recording only
-    watches, so the result is exactly `run_simulation(config)`'s (a bench that runs both reuses it)."""
+    """Pass 1: `config` with its live forecast feed, recorded. The recording only watches, so the result is
+    exactly `run_simulation(config)`'s."""
     profile = load_profile(config.profile)
     policy = make_policy(config.policy, config.engines, profile=profile)
     if not policy.uses_forecast:
-        raise ValueError(f"pass 1 of the oracle runs a forecasting policy, not {config.policy!r}")
+        raise ValueError(f"a truth-fed run needs a forecasting policy, not {config.policy!r}")
     record = DemandRecord()
     recorded, live = live_feed(config, _load_workload(config))
     return simulate(config, policy, profile, recorded, feed=_PassFeed(record, live=live)), record
 
 
-def run_oracle(config: SimConfig, first: tuple[SimResult, DemandRecord] | None = None) -> SimResult:
-    """Run `config` (policy `oracle[:options]`) as the module header's passes; returns the best oracle pass, with
-    every pass's figures under the JSON key `oracle`. `first`: pass 1 already run (`first_pass` on the same
-    configuration with policy `first_pass_spec(config.policy)`). Raises what `run_simulation` raises on a bad
-    configuration."""
+def run_truth_fed(config: SimConfig) -> SimResult:
+    """Run `config` (a forecasting policy, `forecaster="truth"`) as the module header's passes; returns the best
+    truth-fed pass, with every pass's figures under the JSON key `truth_passes`. Raises what `run_simulation`
+    raises on a bad configuration."""
     profile = load_profile(config.profile)
     workload = _load_workload(config)
-    spec = first_pass_spec(config.policy)
-    quiet = dataclasses.replace(config, observer=None)
-    if first is None:
-        first = first_pass(dataclasses.replace(quiet, policy=spec))
+    spec = config.policy
+    quiet = dataclasses.replace(config, observer=None, forecaster=FIRST_PASS_FORECASTER)
+    first = first_pass(quiet)
     result, record = first
     passes = [_figures(1, spec, result)]
-    oracle_runs: list[tuple[SimResult, TruthForecast]] = []
+    truth_runs: list[tuple[SimResult, TruthForecast]] = []
     for k in range(2, MAX_PASSES + 1):
         truth = record.truth(result.end_s, result.sim.policy.interval_s)
         record = DemandRecord()
         policy = make_policy(config.policy, config.engines, profile=profile)
         result = simulate(quiet, policy, profile, workload, feed=_PassFeed(record, truth=truth))
-        oracle_runs.append((result, truth))
+        truth_runs.append((result, truth))
         passes.append(_figures(k, config.policy, result))
         if result.end_s >= passes[-2]["rollout_s"]:
             break  # no longer improving
     best_i = min(
-        range(len(oracle_runs)),
-        key=lambda i: (oracle_runs[i][0].end_s, oracle_runs[i][0].sim.metrics.completion.mean()),
+        range(len(truth_runs)),
+        key=lambda i: (truth_runs[i][0].end_s, truth_runs[i][0].sim.metrics.completion.mean()),
     )
-    best, best_truth = oracle_runs[best_i]
+    best, best_truth = truth_runs[best_i]
     if config.observer is not None:  # the user's observer sees the chosen pass (module header)
         policy = make_policy(config.policy, config.engines, profile=profile)
         best = simulate(config, policy, profile, workload, feed=_PassFeed(DemandRecord(), truth=best_truth))
     best.config = config
-    best.extra["oracle"] = {"passes": passes, "chosen_pass": best_i + 2}
+    best.extra["truth_passes"] = {"passes": passes, "chosen_pass": best_i + 2}
     return best
 
 

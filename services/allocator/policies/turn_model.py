@@ -1,0 +1,187 @@
+"""How long a turn takes under a prefill/decode split: a closed queueing model of the agentic loop.
+
+Pure arithmetic on the capacity model (`capacity.py`, which wraps the performance model the simulator and the
+simulated engines use). Prorsa is judged on trajectory completion time, and a trajectory's time is the sum of its
+turns' times: tool call, wait for a prefill slot, prefill, KV handoff, then output tokens × TPOT. So the allocator
+projects the time of one turn, R(split), and picks the split with the least.
+
+Why a *closed* model: an agent only sends its next prompt after its last answer and tool call, so the number of
+live trajectories N, not an arrival rate, is what the cluster faces; a slower split does not face more arrivals, it
+serves the same N more slowly (Little: turn throughput X = N / R). Every split "keeps up" with an open arrival
+rate in such a loop, which is why the throughput objective this replaces could not tell splits apart.
+
+Stations a turn visits (Schweitzer's approximate mean value analysis, solved as a damped fixed point):
+* tool: a delay of `tool_s` (no queueing: tools run in parallel);
+* prefill: P single-server queues, each visited by 1/P of the turns; service = the prompt's uncached tokens at the
+  engine's prefill rate. A split's prefill engine holds the prompt it computed but not the decode engine's answer,
+  so it recomputes the last output (`prorsa.sim.engine` header; vLLM's KV connectors do not send KV back):
+  uncached = new + output tokens; a mixed engine caches prompt + answer, so uncached = new tokens;
+* handoff: a delay of the KV transfer of the context (split only);
+* decode: D engines, continuous batching. A sequence arriving on an engine with q others decodes at the step
+  time of a batch of q + 1 (arrival theorem), capped by the batch limit (max_batch and KV room), beyond which it
+  waits for a slot; its time is output tokens × step time;
+* mixed engines (colocation): prefill and decode share every step. Prompts are chunked at `mixed_chunk_tokens`
+  per rank and step; with DP attention a prompt lives on one of `dp_ranks` ranks (a dp-server station, Seidmann's
+  approximation: a server dp times faster plus a fixed delay), and any rank's chunk makes the whole step as long as
+  that chunk costs at 1/dp of the engine's rate (perf_model.mixed_step_time_s: one rank's prefill stalls every
+  rank's decode). A decoding sequence's step is a mixed step with the probability that some rank is chunking:
+  1 − exp(−busy ranks) with DP ranks (independent ranks), the busy fraction with one rank.
+
+Outputs are means: `TurnTime.turn_s` (R), `turns_per_s` (X), and the parts. `projected_turns` turns R into the
+number of turns the cluster completes over a horizon when it first spends `switch_s` in a transitional split —
+the currency the prorsa policy trades switch costs in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.allocator.capacity import CapacityModel
+from services.allocator.policies.common import Split
+from services.runtime import perf_model as pm
+
+_ITERATIONS = 60  # fixed-point iterations; the damped update converges to < 0.1 % in ~30 on every profile
+_DAMPING = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class TurnShape:
+    """The mean turn of the work at hand (tokens per turn, seconds per tool call)."""
+
+    new_tokens: float  # new prompt tokens per turn (the tool's observation, or a first prompt)
+    output_tokens: float  # generated tokens per turn
+    context_tokens: float  # context at prefill (prefix + new tokens)
+    tool_s: float  # tool call after a turn (0 for the last turn)
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "output_tokens", "context_tokens", "tool_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"TurnShape.{name} must be finite and >= 0, got {v}")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnTime:
+    """Mean time of one turn under a split, and its parts (seconds)."""
+
+    turn_s: float  # R: tool + prefill wait and compute + handoff + decode
+    turns_per_s: float  # X = N / R
+    prefill_s: float  # wait + compute
+    decode_s: float  # output tokens × step time (including the wait for a batch slot)
+    handoff_s: float
+    tool_s: float
+
+
+def turn_time(
+    split: Split, shape: TurnShape, trajectories: float, cap: CapacityModel, affinity_s: float = 2.0
+) -> TurnTime:
+    """R and X for `trajectories` live trajectories on `split` (a plain P:D split or full colocation 0:0:M).
+
+    A split with a role that has work and no engine gets R = inf. Hybrids (mixed beside dedicated engines) are
+    modelled as colocation over the mixed engines with the dedicated ones idle — the prorsa policy does not offer
+    them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `affinity_s`: queued prefill
+    seconds above which placement sends a turn away from the engine holding its prefix (the router's rule)."""
+    n = max(float(trajectories), 0.0)
+    if n <= 0:
+        return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
+    if split.mixed:
+        return _colocated(split.mixed, shape, n, cap)
+    if split.prefill <= 0 or split.decode <= 0:
+        return TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, shape.tool_s)
+    return _disaggregated(split.prefill, split.decode, shape, n, cap, affinity_s)
+
+
+def _decode_context(shape: TurnShape) -> float:
+    # KV of a decoding sequence, averaged over its decode: the prompt plus half the answer.
+    return max(1.0, shape.context_tokens + shape.output_tokens / 2.0)
+
+
+def _decode_step_s(cap: CapacityModel, batch: float, ctx: float) -> float:
+    """Step time of one engine decoding `batch` (≥ 1, fractional: interpolated) sequences of `ctx` context."""
+    lo = max(1, math.floor(batch))
+    hi = lo + 1
+    p = cap.profile
+    t_lo = pm.decode_step_time_s(p, lo, round(lo * ctx))
+    t_hi = pm.decode_step_time_s(p, hi, round(hi * ctx))
+    return (t_lo + (batch - lo) * (t_hi - t_lo)) / cap.decode_correction
+
+
+def _disaggregated(
+    n_prefill: int, n_decode: int, shape: TurnShape, n: float, cap: CapacityModel, affinity_s: float
+) -> TurnTime:
+    p = cap.profile
+    hit_uncached = max(1.0, shape.new_tokens + shape.output_tokens)
+    ctx_in = max(hit_uncached, shape.context_tokens)
+    rate_hit = cap.prefill_tokens_per_s(hit_uncached, ctx_in - hit_uncached)
+    rate_miss = cap.prefill_tokens_per_s(ctx_in, 0.0)
+    handoff = pm.kv_transfer_time_s(p, round(shape.context_tokens))
+    ctx = _decode_context(shape)
+    limit = cap.decode_batch_limit(ctx)
+    out = max(1.0, shape.output_tokens)
+    shrink = (n - 1.0) / n  # Schweitzer: the queue an arrival sees, without itself
+    q_p = q_d = 0.0
+    miss = 0.0
+    r = r_p = r_d = 0.0
+    # Placement's rule (prorsa.sim.router): a turn leaves its engine when more than `affinity_s` of prefill is
+    # queued there, priced in tokens at the profile's nominal rate; it then recomputes its whole context elsewhere.
+    threshold_tokens = affinity_s * p.prefill_tokens_per_s
+    for _ in range(_ITERATIONS):
+        job_tokens = (1.0 - miss) * hit_uncached + miss * ctx_in
+        s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
+        r_p = s_prefill * (1.0 + q_p * shrink)
+        seen = 1.0 + q_d * shrink
+        running = min(seen, float(limit))
+        r_d = out * _decode_step_s(cap, running, ctx) * (seen / running)
+        r = shape.tool_s + r_p + handoff + r_d
+        x = n / r
+        rho = min(x / n_prefill * s_prefill, 0.999)
+        # M/M/1 in tokens: P(queued work > a) = rho · exp(-(1 - rho) · a / mean job)
+        miss_new = rho * math.exp(-(1.0 - rho) * threshold_tokens / job_tokens) if affinity_s > 0 else 0.0
+        miss += _DAMPING * (miss_new - miss)
+        q_p += _DAMPING * (x / n_prefill * r_p - q_p)
+        q_d += _DAMPING * (x / n_decode * r_d - q_d)
+    return TurnTime(r, n / r, r_p, r_d, handoff, shape.tool_s)
+
+
+def _colocated(n_mixed: int, shape: TurnShape, n: float, cap: CapacityModel) -> TurnTime:
+    p = cap.profile
+    ranks = p.dp_ranks
+    uncached = max(1.0, shape.new_tokens)
+    cached = max(0.0, shape.context_tokens - uncached)
+    steps = max(1.0, uncached / p.mixed_chunk_tokens)
+    # Each chunk makes its step dp_ranks × its compute longer (perf_model.mixed_step_time_s): over the prompt's
+    # chunks that adds up to dp_ranks × the prompt's compute, corrected online.
+    stall = ranks * pm.prefill_compute_s(p, round(uncached), round(cached)) / cap.prefill_correction
+    ctx = _decode_context(shape)
+    limit = cap.decode_batch_limit(ctx)
+    out = max(1.0, shape.output_tokens)
+    shrink = (n - 1.0) / n
+    q_p = q_d = 0.0
+    r = r_p = r_d = 0.0
+    x = 0.0
+    for _ in range(_ITERATIONS):
+        seen = 1.0 + q_d * shrink
+        running = min(seen, float(limit))
+        t_decode = _decode_step_s(cap, running, ctx)
+        s_prompt = stall + steps * t_decode  # time the prompt holds its rank
+        t_mixed = t_decode + stall / steps  # one step that carries a chunk
+        # Seidmann: a dp-server station ≈ one server dp times faster plus a delay of (dp − 1)/dp of the service.
+        r_p = s_prompt / ranks * (1.0 + q_p * shrink) + s_prompt * (ranks - 1) / ranks
+        busy = x / n_mixed * s_prompt  # ranks chunking, on average (Little)
+        chunking = 1.0 - math.exp(-busy) if ranks > 1 else min(1.0, busy)  # share of the time
+        # A sequence gains one token per step: tokens/s = chunking / t_mixed + (1 − chunking) / t_decode.
+        per_token = 1.0 / (chunking / t_mixed + (1.0 - chunking) / t_decode)
+        r_d = out * per_token * (seen / running)
+        r = shape.tool_s + r_p + r_d
+        x_new = n / r
+        x = x_new if x == 0.0 else x + _DAMPING * (x_new - x)
+        q_p += _DAMPING * (x / n_mixed * r_p - q_p)
+        q_d += _DAMPING * (x / n_mixed * r_d - q_d)
+    return TurnTime(r, n / r, r_p, r_d, 0.0, shape.tool_s)
+
+
+def projected_turns(steady: TurnTime, transit: TurnTime, switch_s: float, horizon_s: float) -> float:
+    """Turns completed over `horizon_s` when the first `switch_s` run at `transit`'s rate, the rest at `steady`'s."""
+    head = min(max(switch_s, 0.0), horizon_s)
+    return transit.turns_per_s * head + steady.turns_per_s * (horizon_s - head)

@@ -1,0 +1,193 @@
+"""The prorsa policy and its closed queueing model of a turn (services/allocator/policies/{prorsa,turn_model}.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from proto import LifecycleSnapshot, TrajectoryFeatures
+from services.allocator.policies.common import Split, make_capacity
+from services.allocator.policies.turn_model import TurnShape, projected_turns, turn_time
+from services.allocator.policy import ClusterView, EngineView, PolicyError, make_policy
+
+PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
+DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000, tool_s=1.0)
+
+
+def best_split(profile: str, shape: TurnShape, n: float, engines: int = 8) -> Split:
+    cap = make_capacity(profile)
+    cands = [Split(p, engines - p) for p in range(1, engines)] + [Split(0, 0, engines)]
+    return min(cands, key=lambda c: turn_time(c, shape, n, cap).turn_s)
+
+
+def test_dp_attention_and_prefill_heavy_turns_favour_a_split_decode_heavy_ones_colocation() -> None:
+    # DP8: one rank's prompt chunk stalls every rank's decode step, so long observations want prefill engines.
+    assert best_split("deepseek-v3.2", PREFILL_HEAVY, 128).mixed == 0
+    # Short observations, long answers: every engine decoding (colocation) beats leaving one to prefill.
+    assert best_split("deepseek-v3.2", DECODE_HEAVY, 128) == Split(0, 0, 8)
+
+
+def test_turn_time_is_monotone_in_each_roles_engines_and_zero_without_trajectories() -> None:
+    cap = make_capacity("qwen3-235b")
+    prefill = [turn_time(Split(p, 4), PREFILL_HEAVY, 128, cap).prefill_s for p in (2, 3, 4)]
+    decode = [turn_time(Split(4, d), PREFILL_HEAVY, 128, cap).decode_s for d in (2, 3, 4)]
+    assert prefill[0] > prefill[1] > prefill[2] and decode[0] > decode[1] > decode[2]
+    assert turn_time(Split(3, 5), PREFILL_HEAVY, 0, cap).turns_per_s == 0.0
+    assert math.isinf(turn_time(Split(0, 8), PREFILL_HEAVY, 16, cap).turn_s)  # no engine prefills
+
+
+def test_littles_law_holds_and_more_trajectories_never_finish_a_turn_sooner() -> None:
+    cap = make_capacity("mimo-v2.5-pro")
+    last = 0.0
+    for n in (1, 8, 64, 256):
+        t = turn_time(Split(3, 5), PREFILL_HEAVY, n, cap)
+        assert t.turns_per_s * t.turn_s == pytest.approx(n)
+        assert t.turn_s >= last * 0.999
+        last = t.turn_s
+
+
+def test_a_switch_costs_the_turns_the_transition_does_not_serve() -> None:
+    cap = make_capacity("deepseek-v3.2")
+    steady = turn_time(Split(3, 5), PREFILL_HEAVY, 128, cap)
+    slow = turn_time(Split(2, 5), PREFILL_HEAVY, 128, cap)
+    assert projected_turns(steady, slow, 0.0, 60.0) == pytest.approx(steady.turns_per_s * 60.0)
+    assert projected_turns(steady, slow, 10.0, 60.0) < projected_turns(steady, slow, 0.0, 60.0)
+
+
+def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:
+    return EngineView(
+        engine_id=f"e{i}",
+        role=role,
+        running=batch,
+        waiting=0,
+        queued_prefill_tokens=0,
+        decode_batch=batch,
+        kv_used_tokens=batch * 40_000,
+        kv_capacity_tokens=3_000_000,
+        in_flight_tokens=work,
+        switching=False,
+    )
+
+
+def snapshot(n: int, ts: float, in_tool: int) -> LifecycleSnapshot:
+    states = ["tool_call"] * in_tool + ["decode"] * (n - in_tool)
+    trajs = [
+        TrajectoryFeatures(
+            traj_id=f"t{i}",
+            task="general",
+            state=s,
+            time_in_state_s=1.0,
+            turn=5,
+            context_tokens=40_000,
+            generated_this_turn=0,
+        )
+        for i, s in enumerate(states)
+    ]
+    counts = {"tool_call": in_tool, "decode": n - in_tool}
+    return LifecycleSnapshot(
+        ts_s=ts,
+        seq=int(ts),
+        counts=counts,
+        counts_by_task={"general": counts},
+        context_tokens_by_state={},
+        trajectories=trajs,
+    )
+
+
+def view(roles: list[str], now: float, shape: TurnShape = PREFILL_HEAVY, n: int = 128, **kw) -> ClusterView:
+    engines = tuple(engine(i, r, batch=8 if r != "prefill" else 0) for i, r in enumerate(roles))
+    rate = 16.0  # turns per second
+    fields = dict(
+        now=now,
+        engines=engines,
+        prefill_queue_tokens=0,
+        decode_queue_len=0,
+        prefill_tokens_per_s=rate * shape.new_tokens,
+        decode_tokens_per_s=rate * shape.output_tokens,
+        snapshot=snapshot(n, now, in_tool=int(rate * shape.tool_s)),
+        recent_window_s=5.0,
+        recent_requests=int(rate * 5),
+        recent_mean_isl_tokens=shape.new_tokens + shape.output_tokens,
+        recent_mean_cached_tokens=shape.context_tokens - shape.new_tokens - shape.output_tokens,
+        recent_mean_osl_tokens=shape.output_tokens,
+        recent_mean_new_tokens=shape.new_tokens,
+    )
+    fields.update(kw)
+    return ClusterView(**fields)
+
+
+def test_prorsa_leaves_colocation_for_a_split_under_dp_attention_and_then_holds() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    assert set(policy.initial_plan([f"e{i}" for i in range(8)]).roles.values()) == {"mixed"}
+    plans = []
+    roles = ["mixed"] * 8
+    for k in range(1, 12):
+        plan = policy.decide(view(roles, 5.0 * k))
+        if plan is not None:
+            plans.append(plan)
+            for eid, role in plan.roles.items():
+                roles[int(eid[1:])] = role
+    assert len(plans) == 1, [p.reason for p in plans]  # one move, then no flapping on the same picture
+    assert "mixed" not in roles and roles.count("prefill") >= 2
+    assert "s per turn" in plans[0].reason
+
+
+def test_prorsa_keeps_colocation_for_decode_heavy_work() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    for k in range(1, 8):
+        assert policy.decide(view(["mixed"] * 8, 5.0 * k, shape=DECODE_HEAVY, n=64)) is None
+
+
+def test_prorsa_repairs_an_empty_role_at_once() -> None:
+    policy = make_policy("prorsa", 4)
+    plan = policy.decide(view(["decode"] * 4, 5.0, prefill_queue_tokens=50_000))
+    assert plan is not None and set(plan.roles.values()) & {"prefill", "mixed"}
+
+
+def test_prorsa_moves_the_engines_with_least_work_in_flight() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    work = [9000, 10, 5000, 20, 7000, 30, 8000, 40]
+    base = view(["mixed"] * 8, 5.0)
+    engines = tuple(
+        EngineView(**{**{f: getattr(e, f) for f in e.__slots__}, "in_flight_tokens": w})
+        for e, w in zip(base.engines, work, strict=True)
+    )
+    plan = None
+    for k in range(1, 6):
+        plan = policy.decide(view(["mixed"] * 8, 5.0 * k, engines=engines))
+        if plan is not None:
+            break
+    assert plan is not None
+    prefill = sorted(e for e, r in plan.roles.items() if r == "prefill")
+    light = sorted(engines, key=lambda e: e.in_flight_tokens)
+    assert set(prefill) <= {e.engine_id for e in light[: len(prefill) + 4]}
+
+
+@pytest.mark.parametrize("field", ["prefill_tokens_per_s", "recent_mean_osl_tokens", "recent_window_s"])
+def test_prorsa_refuses_nan_or_negative_figures(field: str) -> None:
+    policy = make_policy("prorsa", 4)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(PolicyError, match=field):
+            policy.decide(view(["mixed"] * 4, 5.0, **{field: bad}))
+
+
+def test_coarse_to_fine_search_finds_the_exhaustive_best() -> None:
+    from prorsa.bench.allocator_speed import random_view
+
+    rng = np.random.default_rng(1)
+    for k in range(4):
+        v = random_view(rng, 200, 5.0 * (k + 1))
+        fast, full = make_policy("prorsa", 200), make_policy("prorsa", 200)
+        import services.allocator.policies.prorsa as module
+
+        fast.decide(v)
+        original = module._search
+        module._search = lambda current, candidates, evaluate: {c: evaluate(c) for c in candidates}
+        try:
+            full.decide(v)
+        finally:
+            module._search = original
+        if full.last_scores:
+            assert min(fast.last_scores.values()) <= min(full.last_scores.values()) * 1.01
