@@ -10,8 +10,8 @@ import pytest
 
 from prorsa.bench.compare import compare_policies
 from prorsa.sim import cli
-from prorsa.sim.truth_feed import DemandRecord
 from prorsa.sim.runner import SimConfig, run_simulation
+from prorsa.sim.truth_feed import DemandRecord
 
 SMALL = SimConfig(
     workload="profile:math", engines=3, batch_size=8, seed=3, policy="prorsa", forecaster="truth"
