@@ -196,8 +196,10 @@ class CapacityModel:
         for e in view.engines:
             if e.switching:
                 continue
-            if e.role == "prefill" and e.prefill_tokens_per_s > 0 and e.queued_prefill_tokens > 0:
-                # Only a backlogged engine runs at capacity; an idle one's rate says nothing about the model.
+            backlog = max(view.recent_window_s, 1.0) * modelled_prefill  # what it could compute in the window
+            if e.role == "prefill" and e.prefill_tokens_per_s > 0 and e.queued_prefill_tokens >= backlog:
+                # Only an engine that was busy the whole window measured its capacity: one with a short queue
+                # at the sampling instant may have idled most of the window, and its rate would read low.
                 prefill_ratios.append(e.prefill_tokens_per_s / modelled_prefill)
             if e.role == "decode" and e.decode_tokens_per_s > 0 and e.decode_batch > 0:
                 ctx = e.kv_used_tokens / e.decode_batch if e.kv_used_tokens else 1.0

@@ -38,6 +38,7 @@ from typing import ClassVar
 
 from proto import DemandForecast, LifecycleSnapshot
 from services.allocator.capacity import (
+    DEFAULT_CONTEXT_TOKENS,
     DEFAULT_ISL_TOKENS,
     DEFAULT_OSL_TOKENS,
     CapacityModel,
@@ -80,7 +81,7 @@ class ProrsaPolicy(AllocatorPolicy):
     # Queued prefill seconds above which placement sends a turn away from the engine holding its prefix (the
     # simulator's router; the client's directory uses a queue depth of the same order).
     affinity_s: float = 2.0
-    initial: str = "mixed"  # start-up roles: "mixed" (colocated) or "split" (initial_plan)
+    initial: str = "mixed"  # start-up roles: "mixed" (colocated), "model" or "split" (initial_plan)
     prefill_fraction: float = 0.25  # share of prefill engines when initial = "split"
     # split → score at the last decision, and the reason (logs, tests, `prorsa top`)
     last_scores: dict[str, float] = field(default_factory=dict)
@@ -93,17 +94,33 @@ class ProrsaPolicy(AllocatorPolicy):
     _finished: tuple[float, int] | None = field(default=None, repr=False)  # (ts, finished_total) last seen
     _finish_rate: float = field(default=0.0, repr=False)
     _turns_finished: float = field(default=0.0, repr=False)  # turns whose answer the estimate has seen
+    _turns_seen: float = field(default=0.0, repr=False)  # turns submitted since the live population formed
+    # The model's measured error (`_model_error`): prior, and the weight of each decision's measurement.
+    prior_model_error: float = 0.5
+    error_weight: float = 0.2
+    _error: float = field(default=-1.0, repr=False)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
         is the one split that starves neither; the first decision with a measured turn moves from there.
-        `initial=split` starts with `prefill_fraction` of the engines in prefill instead (an operator's choice)."""
+        `initial=model` takes the model's best candidate for a default turn (capacity.DEFAULT_*) at 16 live
+        trajectories per engine (measured worse: a default turn is no turn of the workload at hand, and a wrong
+        split starves a role until the first decision); `initial=split` puts `prefill_fraction` of the engines
+        in prefill (an operator's choice)."""
         if self.initial == "split":
             return Plan(
                 roles=initial_roles(engine_ids, self.prefill_fraction), reason=f"{self.name}: initial roles"
             )
+        if self.initial == "mixed" or len(engine_ids) == 1:
+            return Plan(
+                roles=dict.fromkeys(engine_ids, "mixed"), reason=f"{self.name}: initial roles (colocated)"
+            )
+        shape = TurnShape(DEFAULT_ISL_TOKENS, DEFAULT_OSL_TOKENS, DEFAULT_CONTEXT_TOKENS, DEFAULT_TOOL_S)
+        n = len(engine_ids)
+        best = min(self.candidates(n, True, True), key=lambda c: self._turn(c, shape, 16.0 * n).turn_s)
+        roles = ["prefill"] * best.prefill + ["decode"] * best.decode + ["mixed"] * best.mixed
         return Plan(
-            roles=dict.fromkeys(engine_ids, "mixed"), reason=f"{self.name}: initial roles (colocated)"
+            roles=dict(zip(sorted(engine_ids), roles, strict=True)), reason=f"{self.name}: initial {best}"
         )
 
     # -- the decision -------------------------------------------------------------------------------------------
@@ -114,6 +131,9 @@ class ProrsaPolicy(AllocatorPolicy):
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
         snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
+        if snapshot is not None and not any(snapshot.counts.get(st, 0) for st in LIVE_STATES):
+            self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
+        self._turns_seen += view.recent_requests
         if view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
             # turns finished in the window ≈ output tokens generated / mean answer
             self._turns_finished += (
@@ -124,7 +144,6 @@ class ProrsaPolicy(AllocatorPolicy):
         n_live = self.live_trajectories(view, snapshot, shape)
         horizon = self.horizon_s(view, snapshot, n_live)
         scenarios = self.scenarios(view, forecast_of(view), n_live, shape, current)
-        self.last_scen = scenarios
         if not any(n > 0 for n in scenarios):
             return floor_fix(view, self.name)  # nothing to plan for; only repair an empty role with demand
         switch = self._switch_costs(view)
@@ -147,11 +166,13 @@ class ProrsaPolicy(AllocatorPolicy):
             return Plan(
                 roles=moves_for_split(view, best), reason=reason + " (a role with demand had no engine)"
             )
-        if best == current or not (scored[best] < current_j * (1.0 - self.margin)):
+        error = self._model_error(view, current, shape, n_live)
+        if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
             return None
-        if self._turns_finished < n_live:
-            # Until about one turn per live trajectory has finished, the mean turn is whichever turns came first
-            # (a step's first prompts, the shortest answers): a move on it would be a guess.
+        if self._turns_finished < n_live or self._turns_seen < 3 * n_live:
+            # Until about one turn per live trajectory has finished and the first prompts are at most a third of the
+            # turns seen since the population formed, the mean turn is whichever turns came first (a step's first
+            # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess.
             return None
         # Robust: the move must also win in each scenario the forecast allows, not only on average.
         mine = self.scenario_scores(current, current, shape, scenarios, horizon, switch)
@@ -203,6 +224,20 @@ class ProrsaPolicy(AllocatorPolicy):
                 turns = steady.turns_per_s * horizon_s
             out.append(n * horizon_s / turns if turns > 0 else math.inf)
         return out
+
+    def _model_error(self, view: ClusterView, current: Split, shape: TurnShape, n_live: float) -> float:
+        """The model's measured relative error on the split that runs: |log(observed / projected turn time)|,
+        observed by Little's law (live trajectories / turns per second), averaged over decisions. It starts
+        at `prior_model_error` (an untested model) and is added to the margin: a move must promise more than
+        the model is known to miss by."""
+        if self._error < 0:
+            self._error = self.prior_model_error
+        rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
+        projected = self._turn(current, shape, n_live).turn_s if n_live > 0 else math.inf
+        if rate > 0 and n_live > 0 and math.isfinite(projected) and projected > 0:
+            miss = abs(math.log((n_live / rate) / projected))
+            self._error += self.error_weight * (min(miss, 2.0) - self._error)
+        return self._error
 
     def _turn(self, split: Split, shape: TurnShape, n: float) -> TurnTime:
         return turn_time(split, shape, n, self.capacity, self.affinity_s)
@@ -452,8 +487,8 @@ def make_oracle(args: Sequence[str], n_engines: int, profile: object | None = No
 
 def make_prorsa(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
     """`prorsa[:key=value...]`, keys: interval_s, margin, drain_timeout_s, max_horizon_s, affinity_s, initial
-    (mixed|split), prefill_fraction. Raises PolicyError on bad arguments or profile."""
+    (model|mixed|split), prefill_fraction. Raises PolicyError on bad arguments or profile."""
     opts = parse_options("prorsa", args, _OPTIONS)
-    if opts["initial"] not in ("mixed", "split"):
-        raise PolicyError(f"prorsa: initial must be mixed or split, got {opts['initial']!r}")
+    if opts["initial"] not in ("model", "mixed", "split"):
+        raise PolicyError(f"prorsa: initial must be model, mixed or split, got {opts['initial']!r}")
     return ProrsaPolicy(capacity=make_capacity(profile), **opts)  # type: ignore[arg-type]

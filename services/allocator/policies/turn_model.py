@@ -126,7 +126,12 @@ def _disaggregated(
     # Placement's rule (prorsa.sim.router): a turn leaves its engine when more than `affinity_s` of prefill is
     # queued there, priced in tokens at the profile's nominal rate; it then recomputes its whole context elsewhere.
     threshold_tokens = affinity_s * p.prefill_tokens_per_s
-    for _ in range(_ITERATIONS):
+    # Misses enter only once the queues have settled without them: the first iterations overshoot the turn
+    # rate (no queue yet), and a miss rate taken from that overshoot would lock the solution on the congested
+    # branch even where the uncongested one exists — the one a cluster that starts empty is on.
+    for i in range(2 * _ITERATIONS):
+        if i < _ITERATIONS // 2:
+            miss = 0.0
         job_tokens = (1.0 - miss) * hit_uncached + miss * ctx_in
         s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
         r_p = s_prefill * (1.0 + q_p * shrink)
