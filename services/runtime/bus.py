@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
 from proto import Subjects
-from services.runtime.credentials import BusCredentials
+from services.runtime.credentials import BusCredentials, CredentialsError
 
 DEFAULT_EVENTS_MAX_AGE_S = 6 * 3600.0
 
@@ -40,12 +39,20 @@ async def connect(
     url: str, name: str, log: Any = None, credentials: BusCredentials | None = None, **options: Any
 ) -> NATS:
     """Connect with infinite reconnects; connection state changes are logged (and never crash the service).
-    `credentials` default to the environment's; `options` override any connect option. Raises
-    CredentialsError for credentials that cannot work."""
+    `credentials` default to the environment's; `options` override any connect option (an `error_cb` given is
+    called as well as ours). Raises CredentialsError for credentials that cannot work, or that the server refuses
+    on the first connect: retrying a refused login forever would hide the mistake (a server that is not up yet,
+    in contrast, is waited for)."""
+    extra_error_cb = options.pop("error_cb", None)
+    connecting = True
 
     async def on_error(exc: Exception) -> None:
         if log is not None:
             log.warning("nats_error", error=repr(exc))
+        if extra_error_cb is not None:
+            await extra_error_cb(exc)
+        if connecting and "authorization violation" in str(exc).lower():
+            raise CredentialsError(f"NATS at {url} refused the credentials of {name!r}: {exc}")
 
     async def on_disconnected() -> None:
         if log is not None:
@@ -71,7 +78,13 @@ async def connect(
     }
     opts.update((credentials or BusCredentials.from_env()).connect_options())
     opts.update(options)
-    nc = await nats.connect(url, **opts)
+    nc = NATS()
+    try:
+        await nc.connect(url, **opts)
+    except CredentialsError:
+        await nc.close()
+        raise
+    connecting = False
     return nc
 
 
