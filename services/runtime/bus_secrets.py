@@ -7,7 +7,8 @@
   auth.conf          the `authorization` block: each user's public nkey and permissions (`auth.permissions`); no
                      secret is in it, but it says who may do what
   server.conf        what a single server loads (`-c`): `include ./auth.conf`, and a `tls` block with --tls-*
-  cluster-auth.conf  the cluster's route credentials (`cluster { include ./cluster-auth.conf }`): a secret
+  cluster-auth.conf  the cluster's route password and its routes to the other nodes, which must carry it
+                     (`cluster { include ./cluster-auth.conf }`): a secret
   <user>.nk          the user's nkey seed: its secret
   <user>.env         `export PRORSA_NATS_*=...` lines: `source` it to connect as that user
   users.json         user → role (and engine id): what was generated, so a directory can be reused
@@ -87,9 +88,11 @@ def generate(
     engine_ids: tuple[str, ...] = (),
     tls: TlsFiles | None = None,
     url: str = "",
+    routes: tuple[str, ...] = (),
 ) -> BusSecrets:
     """Write a complete directory (see the module doc) at `path`, replacing earlier files of the same names.
-    Raises ValueError for an engine id that is not a subject token or that clashes with a role user."""
+    `routes` are the cluster's nodes as `host:port` (their route port). Raises ValueError for an engine id that is
+    not a subject token or that clashes with a role user."""
     import nkeys  # NATS's nkeys library (nats.py's own nkey support needs it too); only generating needs it
 
     root = Path(path)
@@ -116,15 +119,20 @@ def generate(
     if tls is not None:
         server.append(tls_config(tls.cert_file, tls.key_file, tls.ca_file))
     _write(root / "server.conf", "".join(server))
-    route_password = secrets.token_urlsafe(24)
-    _write(
-        root / "cluster-auth.conf",
-        f"authorization: {json.dumps({'user': 'route', 'password': route_password})}\n",
-    )
+    _write(root / "cluster-auth.conf", _cluster_auth(routes))
     _write(root / "users.json", json.dumps({"namespace": namespace, "users": users}, indent=1) + "\n")
     out = BusSecrets(root, namespace, users, tls.trust if tls is not None else "")
     out.write_env_files(url)
     return out
+
+
+def _cluster_auth(routes: tuple[str, ...]) -> str:
+    """The route password every node asks of a node that routes to it, and the routes this node solicits: a
+    nats-server sends a route URL's credentials, never the block's own, so each URL carries the password."""
+    password = secrets.token_urlsafe(24)  # URL-safe: it goes into the route URLs as it is
+    urls = [f"nats-route://route:{password}@{hostport}" for hostport in routes]
+    block = {"authorization": {"user": "route", "password": password}, "routes": urls}
+    return "".join(f"{key}: {json.dumps(value, indent=2)}\n" for key, value in block.items())
 
 
 def load(path: str | os.PathLike[str], tls_ca: str = "") -> BusSecrets:
