@@ -2,7 +2,8 @@
 
 `connect()` wires all four connection callbacks to the log and reconnects forever, so a service outlives a
 nats-server restart; it authenticates with the given `BusCredentials` (default: the PRORSA_NATS_* environment,
-see `credentials.py`). `ensure_streams()` creates the two streams of the flow idempotently (and updates one whose settings differ):
+see `credentials.py`). `ensure_streams()` creates the two streams of the flow idempotently (and updates one
+whose settings differ):
 
 - WORK: a work-queue stream for generation work. A message is removed once acknowledged, so an engine that dies
   before acking leaves its work to be redelivered to another engine after `ack_wait`.
