@@ -8,19 +8,40 @@ import time
 from urllib.parse import urlparse
 
 import nats
+from nats.errors import NoServersError
 
 import proto
 from proto import HealthReply, HealthRequest, ProtoError, Subjects
+from services.runtime.bus import connect
+from services.runtime.credentials import BusCredentials
 
 
-async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float = 1.0) -> list[HealthReply]:
-    """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance."""
+async def gather_health(
+    nats_url: str,
+    namespace: str = "prorsa",
+    wait_s: float = 1.0,
+    credentials: BusCredentials | None = None,
+) -> list[HealthReply]:
+    """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance.
+    `credentials`: whom to ask as (default: the PRORSA_NATS_* environment's)."""
     _check_reachable(nats_url)
 
-    async def quiet(exc: Exception) -> None:  # the caller reports failures; no tracebacks from the client
-        return None
+    errors: list[Exception] = []
 
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=1, error_cb=quiet)
+    async def quiet(exc: Exception) -> None:  # the caller reports failures; no tracebacks from the client
+        errors.append(exc)
+
+    try:
+        nc = await connect(
+            nats_url,
+            "prorsa-health",
+            credentials=credentials,
+            connect_timeout=2,
+            max_reconnect_attempts=1,
+            error_cb=quiet,
+        )
+    except NoServersError as exc:  # say why: a refused login reads differently from no server
+        raise ConnectionError(f"{exc!r}, last error: {errors[-1] if errors else 'none'}") from exc
     try:
         inbox = nc.new_inbox()
         replies: list[HealthReply] = []

@@ -3,18 +3,31 @@ exists, and N engine agents, each as its own `python -m services.<name>` child, 
 
 Used by `prorsa up`, `prorsa demo` and the end-to-end tests. Stopping sends SIGTERM to every child (each stops
 gracefully, draining its connection), then stops the embedded server.
+
+Security: an embedded server gets credentials by default (`auth`): a private directory of nkeys and permissions
+(`services.runtime.bus_secrets`: a fresh temporary one removed on stop, or `secrets_dir`), loaded by the server,
+and every child starts with its own role's credentials in its environment (each engine its own, scoped to its
+id). `credentials(user)` gives the in-process callers theirs (`operator` for health, `trainer` for the client).
+With a server URL given, children inherit this process's PRORSA_NATS_* credentials.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from services.runtime.auth import SERVICE_ROLES
+from services.runtime.bus_secrets import BusSecrets, TlsFiles, generate, load
+from services.runtime.credentials import ENV as CREDENTIAL_ENV
+from services.runtime.credentials import BusCredentials
 from services.runtime.nats_server import EmbeddedNatsServer
 
 # Order matters only for start-up logs: the pipeline runs tracker → forecaster → allocator.
@@ -36,22 +49,37 @@ class SystemConfig:
     engine_roles: list[str] = field(default_factory=list)  # start-up role per engine (default: mixed)
     extra_service_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: str | None = None
+    auth: bool = True  # embedded server: credentials and permissions for every role (see the module doc)
+    secrets_dir: str | None = (
+        None  # keep them here (reused if it holds some) instead of a temporary directory
+    )
+    tls: TlsFiles | None = None  # embedded server: serve TLS with this certificate
 
 
 class System:
     def __init__(self, config: SystemConfig) -> None:
         self.config = config
         self.embedded: EmbeddedNatsServer | None = None
+        self.secrets: BusSecrets | None = None
+        self._own_secrets = False
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.url = config.nats_url or ""
 
+    def engine_ids(self) -> list[str]:
+        return [f"engine-{i}" for i in range(self.config.engines)]
+
     def start(self) -> System:
         if not self.url:
-            self.embedded = EmbeddedNatsServer().start()
+            if self.config.auth:
+                self.secrets = self._make_secrets()
+            config_file = str(self.secrets.server_config) if self.secrets is not None else None
+            self.embedded = EmbeddedNatsServer(config_file=config_file).start()
             self.url = self.embedded.url
+            if self.secrets is not None:
+                self.secrets.write_env_files(self.url)  # they name the server now that its port is known
         for name in CONTROL_SERVICES:
             if service_exists(name):
-                self._spawn(name, name, self.config.extra_service_args.get(name, []))
+                self._spawn(name, name, self.config.extra_service_args.get(name, []), SERVICE_ROLES[name])
         if self.config.engines and service_exists("engine_agent"):
             for i in range(self.config.engines):
                 args = [
@@ -65,8 +93,27 @@ class System:
                     args += ["--model", self.config.model]
                 if i < len(self.config.engine_roles):
                     args += ["--role", self.config.engine_roles[i]]
-                self._spawn(f"engine-{i}", "engine_agent", args)
+                user = self.secrets.engine_user(f"engine-{i}") if self.secrets is not None else ""
+                self._spawn(f"engine-{i}", "engine_agent", args, user)
         return self
+
+    def _make_secrets(self) -> BusSecrets:
+        tls = self.config.tls
+        if self.config.secrets_dir and (Path(self.config.secrets_dir) / "users.json").is_file():
+            return load(self.config.secrets_dir, tls.trust if tls is not None else "")
+        if self.config.secrets_dir:
+            path = self.config.secrets_dir
+        else:
+            path = tempfile.mkdtemp(prefix="prorsa-secrets-")  # 0700
+            self._own_secrets = True
+        return generate(path, self.config.namespace, tuple(self.engine_ids()), tls)
+
+    def credentials(self, user: str) -> BusCredentials:
+        """What an in-process client connects as: `user`'s generated credentials, or (no generated ones) this
+        process's environment."""
+        if self.secrets is None:
+            return BusCredentials.from_env()
+        return self.secrets.credentials(user)
 
     def expected_services(self) -> list[str]:
         names = [n for n in CONTROL_SERVICES if service_exists(n)]
@@ -74,7 +121,7 @@ class System:
             names += ["engine_agent"] * self.config.engines
         return names
 
-    def _spawn(self, key: str, module: str, args: list[str]) -> None:
+    def _spawn(self, key: str, module: str, args: list[str], user: str = "") -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -86,6 +133,10 @@ class System:
             *args,
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.secrets is not None:  # this child's own credentials, none of this process's
+            for var in CREDENTIAL_ENV.values():
+                env.pop(var, None)
+            env.update(self.secrets.credentials(user).to_env())
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{key}.log"), "ab")  # noqa: SIM115 - owned by Popen
@@ -111,3 +162,6 @@ class System:
         if self.embedded is not None:
             self.embedded.stop(remove_store=True)
             self.embedded = None
+        if self.secrets is not None and self._own_secrets:
+            shutil.rmtree(self.secrets.path, ignore_errors=True)
+            self.secrets = None

@@ -68,6 +68,12 @@ def render() -> str:
         "weights update. Retries reuse the `request_id` and bump `attempt`; the client keeps the first final chunk "
         "per `request_id` and drops the rest, so a retried turn never yields two results.",
         "",
+        "Credentials: a server set up by `prorsa up` or `prorsa secrets` admits only its users. A trainer connects "
+        "with the `trainer` nkey seed (`trainer.nk`) and the inbox prefix `_INBOX.trainer` (the only inboxes it may "
+        "read), sets `reply_to` under `ns.reply.`, and may publish lifecycle events, prefill work, health requests "
+        "and policy version updates, nothing else. Epochs and policy versions are at most 2^53 - 1; an engine "
+        "refuses a version that jumps more than a million past its own, and weights from outside its weights root.",
+        "",
         "## Messages",
         "",
     ]

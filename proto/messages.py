@@ -6,7 +6,10 @@ Rules of the contract (msgspec's schema-evolution rules, see STYLE.md):
 - unknown fields are skipped on decode, so an older reader keeps working when a field is added;
 - times are seconds: `*_s` fields are either durations or, for `ts_s`, the sender's clock (Unix seconds in the
   live system, virtual seconds in the simulator);
-- token counts are non-negative integers (`*_tokens`), enforced on decode.
+- token counts are non-negative integers (`*_tokens`), enforced on decode;
+- epochs and policy versions count one step at a time: at most `MAX_COUNTER` (2^53 - 1, the largest integer every
+  JSON reader holds exactly), so 2^63 or 2^64 - 1 is refused on decode; a receiver also bounds how far one may
+  jump past the newest it has (the engine agent's `max_epoch_jump`, `max_version_jump`).
 
 The `type` tag of each message is its snake_case class name; a JSON payload is therefore self-describing.
 """
@@ -23,6 +26,8 @@ SCHEMA_VERSION = 1
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
+MAX_COUNTER = 2**53 - 1
+Counter = Annotated[int, Meta(ge=0, le=MAX_COUNTER)]  # an epoch or a policy version
 # Ids end up as NATS subject tokens (engine ids) or log keys: no dots, spaces or wildcards.
 Id = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-:]+$")]
 Role = Literal["prefill", "decode", "mixed"]
@@ -54,7 +59,7 @@ class LifecycleEvent(Message, frozen=True, kw_only=True):
 
 class TrajectoryStarted(LifecycleEvent, frozen=True, kw_only=True):
     task: str = ""  # e.g. "coding", "math"; the forecaster keeps per-task distributions
-    policy_version: NonNegInt = 0  # weights version the trajectory is rolled out with
+    policy_version: Counter = 0  # weights version the trajectory is rolled out with
     group: str = ""  # GRPO-style group id (trajectories sharing a first prompt)
     prompt_tokens: NonNegInt = 0  # first prompt length, when known
 
@@ -112,7 +117,7 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     prompt_len: NonNegInt  # len(prompt_token_ids) when ids are sent
     sampling: SamplingParams
     reply_to: str  # subject the engine streams `TokenChunk`s and the final result to
-    policy_version: NonNegInt = 0
+    policy_version: Counter = 0
     task: str = ""
     affinity_engine: str = ""  # engine that served this trajectory's previous turn ("" = none)
     attempt: NonNegInt = 0  # bumped by the client on a retry; engines de-duplicate on request_id
@@ -189,7 +194,7 @@ class RequestFinished(EngineEvent, frozen=True, kw_only=True):
     queue_s: NonNegFloat = 0.0
     ttft_s: NonNegFloat = 0.0
     e2e_s: NonNegFloat = 0.0
-    policy_version: NonNegInt = 0
+    policy_version: Counter = 0
 
 
 class RequestFailed(EngineEvent, frozen=True, kw_only=True):
@@ -221,7 +226,7 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     output_tokens: NonNegInt = 0
     ttft_s: NonNegFloat = 0.0
     e2e_s: NonNegFloat = 0.0
-    policy_version: NonNegInt = 0
+    policy_version: Counter = 0
     prefill_engine: str = ""  # final chunk: the engine that holds this prompt's prefix (next turn's affinity)
     error: str = (
         ""  # final chunk of a failed request: why (finish_reason "error"); the client does not retry it
@@ -252,7 +257,7 @@ class EngineStats(Message, frozen=True, kw_only=True):
     engine_id: Id
     ts_s: float
     role: Role
-    epoch: NonNegInt  # newest role-switch epoch this engine has applied
+    epoch: Counter  # newest role-switch epoch this engine has applied
     backend: str = "sim"  # "sim" | "vllm"
     running: NonNegInt = 0  # requests in the running batch
     waiting: NonNegInt = 0  # requests pulled but not yet running
@@ -261,7 +266,7 @@ class EngineStats(Message, frozen=True, kw_only=True):
     prefill_tokens_per_s: NonNegFloat = 0.0  # computed prompt tokens over the last interval
     decode_tokens_per_s: NonNegFloat = 0.0  # generated tokens over the last interval
     prefix_hit_rate: NonNegFloat = 0.0
-    policy_version: NonNegInt = 0
+    policy_version: Counter = 0
     switching: bool = False
     last_switch_s: NonNegFloat = 0.0  # duration of the last role switch
     in_flight_tokens: NonNegInt = 0  # tokens still to compute for work it holds
@@ -278,7 +283,7 @@ class RoleSwitchCommand(Message, frozen=True, kw_only=True):
 
     engine_id: Id
     role: Role
-    epoch: Annotated[int, Meta(ge=1)]
+    epoch: Annotated[int, Meta(ge=1, le=MAX_COUNTER)]
     issued_s: float
     reason: str = ""
     drain_timeout_s: NonNegFloat = 30.0  # decodes that would outlast this are migrated by re-prefill
@@ -286,7 +291,7 @@ class RoleSwitchCommand(Message, frozen=True, kw_only=True):
 
 class RoleSwitchAck(Message, frozen=True, kw_only=True):
     engine_id: Id
-    epoch: NonNegInt
+    epoch: Counter
     role: Role
     ok: bool
     error: str = ""
@@ -297,7 +302,7 @@ class RoleSwitchAck(Message, frozen=True, kw_only=True):
 
 
 class AllocationPlan(Message, frozen=True, kw_only=True):
-    epoch: NonNegInt
+    epoch: Counter
     policy: str
     roles: dict[str, Role]  # engine_id -> role
     ts_s: float
@@ -308,9 +313,11 @@ class AllocationPlan(Message, frozen=True, kw_only=True):
 class PolicyVersionUpdate(Message, frozen=True, kw_only=True):
     """New weights: engines pick them up between requests and report the version they serve."""
 
-    version: NonNegInt
+    version: Counter
     ts_s: float
-    weights_path: str = ""  # real engines: where the new weights are ("" = reload from the model path)
+    # Real engines: where the new weights are ("" = reload from the model path); an engine takes only a path
+    # under its configured weights root (`--weights-root`).
+    weights_path: Annotated[str, Meta(max_length=4096)] = ""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,7 +346,7 @@ class TrajectoryFeatures(msgspec.Struct, frozen=True, kw_only=True):
     context_tokens: NonNegInt
     generated_this_turn: NonNegInt
     tool: str = ""
-    policy_version: NonNegInt = 0
+    policy_version: Counter = 0
     silent: bool = False  # no event for longer than the tracker's silence bound
 
 
@@ -417,6 +424,7 @@ __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "ENGINE_EVENT_MESSAGES",
     "ROLES",
     "TRAJECTORY_STATES",
+    "MAX_COUNTER",
     "Message",
     "LifecycleEvent",
     "EngineEvent",

@@ -1,6 +1,7 @@
 """Every subject and JetStream stream name of the bus, under a configurable namespace.
 
 Two clusters can share one nats-server by using different namespaces (`PRORSA_NAMESPACE`, default "prorsa").
+Who may publish and subscribe to each subject is one table, `services/runtime/auth.py`.
 
 Subjects (ns = namespace):
   ns.lifecycle                     client lifecycle events                    stream EVENTS
@@ -18,7 +19,7 @@ Subjects (ns = namespace):
   ns.policy.version                PolicyVersionUpdate
   ns.health                        HealthRequest → one HealthReply per live service instance
   ns.errors                        ErrorReply for bad input that had no reply subject
-  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client; any subject works)
+  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.)
 """
 
 from __future__ import annotations

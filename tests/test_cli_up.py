@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_up_then_status_sees_every_service(tmp_path) -> None:
         start_new_session=True,  # its own process group, so the test can press "Ctrl-C" on all of it
     )
     try:
-        url, lines = None, []
+        url, secrets, lines = None, None, []
         deadline = time.monotonic() + 90
         assert proc.stdout is not None
         while time.monotonic() < deadline:
@@ -39,12 +40,27 @@ def test_up_then_status_sees_every_service(tmp_path) -> None:
             lines.append(line)
             if m := re.match(r"nats: (\S+)", line):
                 url = m.group(1)
+            if m := re.match(r"credentials: (\S+)", line):
+                secrets = m.group(1)
             if line.startswith("up:"):
                 break
-        assert url, "".join(lines)
+        assert url and secrets, "".join(lines)
         assert f"up: {len(expected)}/{len(expected)} services healthy" in lines[-1], "".join(lines)
-        out = subprocess.run(
+        # The path is printed, never a secret: the seeds stay in the private directory.
+        seeds = {p.read_text().strip() for p in Path(secrets).glob("*.nk")}
+        assert seeds and not any(seed in "".join(lines) for seed in seeds)
+        assert Path(secrets).stat().st_mode & 0o077 == 0
+        anonymous = subprocess.run(
             [sys.executable, "-m", "prorsa", "status", "--nats", url],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PRORSA_NATS_")},
+        )
+        assert anonymous.returncode == 1 and "Authorization Violation" in anonymous.stdout, anonymous.stdout
+        operator = [f"--nkey={secrets}/operator.nk", "--inbox-prefix=_INBOX.operator"]
+        out = subprocess.run(
+            [sys.executable, "-m", "prorsa", "status", "--nats", url, *operator],
             capture_output=True,
             text=True,
             timeout=30,
@@ -59,6 +75,7 @@ def test_up_then_status_sees_every_service(tmp_path) -> None:
         rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
     assert "up: stopped" in rest
+    assert not Path(secrets).exists()  # its temporary credentials go with it
 
 
 def test_status_without_a_server_says_so() -> None:

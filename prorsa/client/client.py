@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -46,7 +45,9 @@ from proto import (
     TurnSubmitted,
 )
 from services.runtime import clock
-from services.runtime.bus import ensure_streams
+from services.runtime.bus import connect, ensure_streams
+from services.runtime.credentials import BusCredentials
+from services.runtime.logging import get_logger
 
 
 class GenerateError(RuntimeError):
@@ -85,8 +86,17 @@ class RolloutClient:
         self.bad_messages = 0
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: object) -> RolloutClient:
-        nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.25)
+    async def connect(
+        cls, url: str, credentials: BusCredentials | None = None, **kwargs: object
+    ) -> RolloutClient:
+        """Connect as `credentials` (default: the PRORSA_NATS_* environment, e.g. a `trainer.env` written by
+        `prorsa up`), reconnecting forever; `kwargs` go to the constructor."""
+        log = get_logger("prorsa_client", "")
+
+        async def on_error(exc: Exception) -> None:  # e.g. a permission violation: say so, quietly otherwise
+            log.warning("nats_error", error=repr(exc))
+
+        nc = await connect(url, "prorsa-client", credentials=credentials, error_cb=on_error)
         client = cls(nc, **kwargs)  # type: ignore[arg-type]
         await client.start()
         return client

@@ -6,12 +6,14 @@ import argparse
 import asyncio
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
+from services.runtime.credentials import add_credential_arguments, credentials_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", default=None, help="NATS URL (default: $PRORSA_NATS_URL)")
     p.add_argument("--namespace", default=None)
     p.add_argument("--wait-s", type=float, default=1.0, help="how long to gather replies")
+    add_credential_arguments(p)  # e.g. the operator's, from `prorsa up`'s credentials directory
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +26,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        replies = asyncio.run(gather_health(url, namespace_from_env(args.namespace), args.wait_s))
+        replies = asyncio.run(
+            gather_health(url, namespace_from_env(args.namespace), args.wait_s, credentials_from_args(args))
+        )
     except Exception as exc:  # no server there: say so plainly
         print(f"prorsa status: cannot reach NATS at {url}: {exc!r}")
         return 1

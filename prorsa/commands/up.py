@@ -1,4 +1,9 @@
-"""`prorsa up`: embedded NATS (unless --nats) + every service + N engine agents in one process tree."""
+"""`prorsa up`: embedded NATS (unless --nats) + every service + N engine agents in one process tree.
+
+The embedded server requires credentials (unless --no-auth): `prorsa up` writes them into a private directory and
+prints its path (`credentials: DIR`), never a secret; `source DIR/trainer.env` (or `operator.env` for
+`prorsa status`) to connect as that role.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import time
 from collections.abc import Callable
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
+from services.runtime.bus_secrets import TlsFiles
+from services.runtime.credentials import BusCredentials
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +34,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=None, help="sim backend: virtual seconds per wall second")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: discard)")
     p.add_argument("--for", dest="for_s", type=float, default=None, help="stop after this many seconds")
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="embedded server: accept anyone (default: credentials and per-role permissions)",
+    )
+    p.add_argument(
+        "--secrets-dir",
+        default=None,
+        help="embedded server: keep the credentials here, reused when present (default: a temporary directory "
+        "removed on stop)",
+    )
+    p.add_argument("--tls-cert", default=None, help="embedded server: serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    p.add_argument(
+        "--tls-ca", default=None, help="CA clients verify the certificate with (default: the cert)"
+    )
     p.add_argument(
         "--start-timeout-s",
         type=float,
@@ -52,21 +75,31 @@ DEFAULT_START_TIMEOUT_S = {"sim": 60.0, "vllm": 600.0}
 STOP_TIMEOUT_S = {"sim": 15.0, "vllm": 30.0}
 
 
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """--tls-cert/--tls-key/--tls-ca as TlsFiles (None without TLS). Raises SystemExit when one is missing."""
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise SystemExit("prorsa up: --tls-cert and --tls-key go together")
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca or "")
+
+
 async def wait_healthy(
     url: str,
     namespace: str,
     expected: list[str],
     timeout_s: float,
     give_up: Callable[[], bool] = lambda: False,
+    credentials: BusCredentials | None = None,
 ) -> list:
     """Poll health until every expected service answers ok, time runs out or `give_up()` (a child died, Ctrl-C);
-    returns the last replies."""
+    returns the last replies. `credentials`: whom to ask as (default: the environment's)."""
     from prorsa.health import gather_health
 
     deadline = time.monotonic() + timeout_s
     replies: list = []
     while time.monotonic() < deadline and not give_up():
-        replies = await gather_health(url, namespace, wait_s=0.5)
+        replies = await gather_health(url, namespace, wait_s=0.5, credentials=credentials)
         have = sorted(r.service for r in replies if r.status == "ok")
         if have == sorted(expected):
             break
@@ -91,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
             extra_engine_args=engine_args(args),
             extra_service_args={"allocator": ["--profile", args.profile]} if args.profile else {},
             log_dir=args.log_dir,
+            auth=not args.no_auth,
+            secrets_dir=args.secrets_dir,
+            tls=tls_files(args),
         )
     )
     stop = {"now": False}
@@ -103,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
     system.start()
     try:
         print(f"nats: {system.url}", flush=True)
+        if system.secrets is not None:
+            path = system.secrets.path
+            print(
+                f"credentials: {path} (source {path}/trainer.env, or operator.env for `prorsa status`)",
+                flush=True,
+            )
         expected = system.expected_services()
         timeout_s = args.start_timeout_s or DEFAULT_START_TIMEOUT_S[args.backend]
         if args.backend == "vllm":
@@ -114,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 expected,
                 timeout_s,
                 give_up=lambda: stop["now"] or bool(system.dead_children()),
+                credentials=system.credentials("operator"),
             )
         )
         print(format_health(replies), flush=True)

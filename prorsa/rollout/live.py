@@ -103,10 +103,12 @@ async def _run_live(
         from prorsa.commands.up import wait_healthy
 
         expected = system.expected_services()
-        replies = await wait_healthy(system.url, "prorsa", expected, timeout_s=120.0)
+        replies = await wait_healthy(
+            system.url, "prorsa", expected, timeout_s=120.0, credentials=system.credentials("operator")
+        )
         if sorted(r.service for r in replies) != sorted(expected):
             raise RuntimeError(f"system not healthy: expected {expected}, got {[r.service for r in replies]}")
-        client = await RolloutClient.connect(system.url)
+        client = await RolloutClient.connect(system.url, credentials=system.credentials("trainer"))
         recorder = Recorder()
         await recorder.attach(client.nc, client.subjects)
         await asyncio.sleep(1.5)  # first EngineStats: lets the client route by affinity from turn 1

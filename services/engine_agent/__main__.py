@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from proto import ROLES
 from services.engine_agent.agent import AgentConfig, EngineAgent
 from services.engine_agent.backend import Backend
+from services.engine_agent.role_state import DEFAULT_MAX_EPOCH_JUMP
+from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP
 from services.runtime.main import run_service_main
 from services.runtime.nats_server import free_port
 from services.runtime.service import Service
@@ -58,6 +60,24 @@ def extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nixl-port", type=int, default=0, help="vllm: KV side-channel port (0: a free port)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="vllm: KV cache size in bytes")
     p.add_argument("--max-num-seqs", type=int, default=None, help="vllm: most sequences in one batch")
+    p.add_argument(
+        "--weights-root",
+        default=os.environ.get("PRORSA_WEIGHTS_ROOT", ""),
+        help="load announced weights only from under this directory (default: $PRORSA_WEIGHTS_ROOT; unset: "
+        "only reloads from the model path)",
+    )
+    p.add_argument(
+        "--max-epoch-jump",
+        type=int,
+        default=DEFAULT_MAX_EPOCH_JUMP,
+        help="refuse a command epoch more than this above the newest accepted",
+    )
+    p.add_argument(
+        "--max-version-jump",
+        type=int,
+        default=DEFAULT_MAX_VERSION_JUMP,
+        help="refuse a policy version more than this above the newest taken",
+    )
     p.add_argument(
         "--dtype",
         default=None,
@@ -124,6 +144,9 @@ def make_agent(args: argparse.Namespace, url: str, namespace: str) -> Service:
         stats_interval_s=args.stats_interval_s,
         chunk_interval_s=args.chunk_interval_s,
         prefill_budget_tokens=args.prefill_budget_tokens,
+        max_epoch_jump=args.max_epoch_jump,
+        max_version_jump=args.max_version_jump,
+        weights_root=args.weights_root,
     )
     return EngineAgent(
         url,

@@ -33,9 +33,16 @@ from proto import (
 )
 from services.engine_agent.backend import Backend
 from services.engine_agent.puller import PullConfig, WorkPuller
-from services.engine_agent.role_state import initial_state, on_command, on_switch_done, on_switch_failed
+from services.engine_agent.role_state import (
+    DEFAULT_MAX_EPOCH_JUMP,
+    initial_state,
+    on_command,
+    on_switch_done,
+    on_switch_failed,
+)
 from services.engine_agent.runner import JobRunner
 from services.engine_agent.switching import drain_for_switch, hand_off_all
+from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
 from services.runtime import clock
 from services.runtime.service import Service
 
@@ -55,6 +62,10 @@ class AgentConfig:
     # Scaled seconds (waiting for generation, which runs on the scaled clock):
     weights_drain_timeout_s: float = 10.0  # a weight update waits this long for held requests to finish
     stop_timeout_s: float = 10.0  # wall seconds: graceful stop, time to hand on held work (publish and ack)
+    # Bounds on what a command or update may ask (role_state.py, weights_guard.py):
+    max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP
+    max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
+    weights_root: str = ""  # weights_path must lie under it ("": only reloads from the model path)
 
 
 class EngineAgent(Service):
@@ -76,7 +87,7 @@ class EngineAgent(Service):
         self.engine_id = engine_id
         self.backend = backend
         self.config = config or AgentConfig()
-        self.role_state = initial_state(engine_id, self.config.role)
+        self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
         self.policy_version = 0
         self.last_switch_s = 0.0
         self.runner = JobRunner(self, self.config.chunk_interval_s)
@@ -224,8 +235,18 @@ class EngineAgent(Service):
     async def _on_policy(self, update: Message, raw: Any) -> None:
         assert isinstance(update, PolicyVersionUpdate)
         pending = self._pending_update.version if self._pending_update is not None else 0
-        if update.version <= max(self.policy_version, pending):
+        newest = max(self.policy_version, pending)
+        if update.version <= newest:
             return  # old news
+        refusal = check_update(update, newest, self.config.max_version_jump, self.config.weights_root)
+        if refusal is not None:
+            await self.reject(
+                raw,
+                refusal.kind,
+                refusal.error,
+                field="version" if refusal.kind == "version_jump" else "weights_path",
+            )
+            return
         self._pending_update = update
         if self._weights_task is None or self._weights_task.done():
             self._weights_task = self.spawn(self._apply_weights(), name="weights")
@@ -243,7 +264,8 @@ class EngineAgent(Service):
                 while self.runner.jobs and clock.monotonic_s() < deadline_s:
                     await asyncio.sleep(0.02)  # a wall-time poll interval
                 async with self.reconfig_lock:
-                    await self.backend.reload_weights(update.version, update.weights_path)
+                    path = resolve(update.weights_path, self.config.weights_root)
+                    await self.backend.reload_weights(update.version, path)
                 self.policy_version = update.version
                 self.log.info("weights_updated", version=update.version)
             except Exception as exc:

@@ -5,7 +5,9 @@ twice, or out of order (an allocator that restarted, a retried request, a reorde
 them by epoch. The rules, applied by `on_command` in this order:
 
 1. A command naming another engine, or an epoch below 1 or a role outside `proto.ROLES` (impossible after a proto
-   decode, guarded anyway), is rejected: the caller answers an ErrorReply; nothing changes.
+   decode, guarded anyway), is rejected: the caller answers an ErrorReply; nothing changes. So is an epoch more
+   than `max_epoch_jump` above the newest accepted (`epoch_jump`): epochs count commands one at a time, and one
+   absurd epoch accepted would fence out every later command of the real allocator.
 2. A command older than the newest epoch accepted (`newest_epoch`) is stale: it is answered with
    `RoleSwitchAck(ok=False, error="stale_command: ...")`; nothing changes.
 3. A command repeating the newest epoch is a duplicate: nothing changes. If that switch is complete, the answer is
@@ -36,6 +38,9 @@ Phase = Literal["serving", "draining"]
 DecisionKind = Literal["start", "queued", "wait", "replay", "stale", "rejected"]
 JobKind = Literal["prefill", "decode", "generate"]
 JobFate = Literal["continue", "finish", "drain"]
+# The allocator numbers commands cluster-wide, so a fresh engine's first epoch may be large; 2^32 commands is more
+# than any deployment issues, and far below proto.MAX_COUNTER (2^53 - 1).
+DEFAULT_MAX_EPOCH_JUMP = 2**32
 
 
 class RoleStateError(RuntimeError):
@@ -53,6 +58,7 @@ class RoleState:
     active_since_s: float = 0.0
     queued: RoleSwitchCommand | None = None  # accepted while `active` runs; starts after it
     last_ack: RoleSwitchAck | None = None  # ack of `applied_epoch`, replayed to duplicates
+    max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP  # rule 1: how far one command may move `newest_epoch`
 
     @property
     def switching(self) -> bool:
@@ -69,15 +75,17 @@ class Decision:
     ack: RoleSwitchAck | None = None
     start: RoleSwitchCommand | None = None
     error: str = ""  # rejected: why
-    error_kind: str = ""  # rejected: ErrorReply kind ("wrong_engine" | "invalid_command")
+    error_kind: str = ""  # rejected: ErrorReply kind ("wrong_engine" | "invalid_command" | "epoch_jump")
     superseded: RoleSwitchAck | None = None  # answer for a queued command this one replaced
 
 
-def initial_state(engine_id: str, role: str) -> RoleState:
-    """The state of an engine that starts in `role`. Raises ValueError for an unknown role."""
+def initial_state(engine_id: str, role: str, max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP) -> RoleState:
+    """The state of an engine that starts in `role`. Raises ValueError for an unknown role or a bound below 1."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
-    return RoleState(engine_id=engine_id, role=role)
+    if max_epoch_jump < 1:
+        raise ValueError(f"max_epoch_jump must be >= 1, not {max_epoch_jump}")
+    return RoleState(engine_id=engine_id, role=role, max_epoch_jump=max_epoch_jump)
 
 
 def on_command(state: RoleState, cmd: RoleSwitchCommand, now: float) -> tuple[RoleState, Decision]:
@@ -93,6 +101,13 @@ def on_command(state: RoleState, cmd: RoleSwitchCommand, now: float) -> tuple[Ro
             "rejected",
             error=f"invalid command: role {cmd.role!r}, epoch {cmd.epoch}",
             error_kind="invalid_command",
+        )
+    if cmd.epoch > state.newest_epoch + state.max_epoch_jump:
+        return state, Decision(
+            "rejected",
+            error=f"epoch {cmd.epoch} jumps more than {state.max_epoch_jump} past the newest epoch "
+            f"{state.newest_epoch}",
+            error_kind="epoch_jump",
         )
     if cmd.epoch < state.newest_epoch:
         return state, Decision("stale", ack=_stale_ack(state, cmd, now))

@@ -1,6 +1,8 @@
 """Command-line entry shared by the services: `python -m services.<name> [--nats URL] ...`.
 
-With no `--nats` and no $PRORSA_NATS_URL, an embedded nats-server is started for the lifetime of the service.
+With no `--nats` and no $PRORSA_NATS_URL, an embedded nats-server is started for the lifetime of the service
+(open to local clients: `prorsa up` is the way to a server with credentials). Credentials come from the
+PRORSA_NATS_* environment (`credentials.py`), with `--nkey`, `--inbox-prefix` and `--tls-ca` over it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
+from services.runtime.credentials import add_credential_arguments, credentials_from_args
 from services.runtime.logging import configure_logging
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.runtime.service import Service
@@ -31,6 +34,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         default=int(os.environ.get("PRORSA_METRICS_PORT", "0")) or None,
         help="serve Prometheus metrics on this port",
     )
+    add_credential_arguments(p)
     return p
 
 
@@ -54,6 +58,7 @@ def run_service_main(
         print(f"nats: {url}", flush=True)
     try:
         service = make(args, url, namespace_from_env(args.namespace))
+        service.credentials = credentials_from_args(args)
         asyncio.run(service.run())
     finally:
         if embedded is not None:

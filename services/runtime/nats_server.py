@@ -2,7 +2,9 @@
 
 Used when no `--nats` URL / `PRORSA_NATS_URL` is given, and by the tests' fixture. The server listens on a free
 loopback port and keeps its JetStream store in a temporary directory that is removed on stop (unless a store
-directory is given, which lets a test restart the server on the same store and port).
+directory is given, which lets a test restart the server on the same store and port). With `config_file` it
+also loads that config (users and permissions, TLS: see `bus_secrets.py`); without one it is open to anyone who
+reaches the loopback port, which the tests' fixture relies on.
 """
 
 from __future__ import annotations
@@ -60,9 +62,14 @@ class EmbeddedNatsServer:
     """
 
     def __init__(
-        self, port: int | None = None, store_dir: str | None = None, log_file: str | None = None
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        log_file: str | None = None,
+        config_file: str | None = None,
     ) -> None:
         self.port = port or free_port()
+        self.config_file = config_file
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="prorsa-js-")
         self.log_file = log_file
@@ -76,6 +83,8 @@ class EmbeddedNatsServer:
         if self._proc is not None and self._proc.poll() is None:
             return self
         cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
+        if self.config_file:
+            cmd += ["-c", self.config_file]  # the flags above override any listen/store setting in it
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 - owned by Popen
         # Its own session: a terminal's Ctrl-C goes to the whole foreground process group, and the server must
         # outlive the services that are still draining on it; whoever started it stops it (`stop`, atexit).

@@ -29,6 +29,7 @@ from nats.js import JetStreamContext
 import proto
 from proto import ErrorReply, HealthReply, Message, ProtoError, Subjects
 from services.runtime.bus import connect, ensure_streams
+from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 from services.runtime.metrics import ServiceMetrics
 
@@ -55,6 +56,7 @@ class Service:
         self.log = get_logger(self.name, self.instance_id)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
+        self.credentials: BusCredentials | None = None  # None: the PRORSA_NATS_* environment's
         self._stop_event = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started_mono = time.monotonic()
@@ -74,7 +76,9 @@ class Service:
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await connect(self.nats_url, name=self.instance_id, log=self.log)
+        self.nc = await connect(
+            self.nats_url, name=self.instance_id, log=self.log, credentials=self.credentials
+        )
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects)
         await self.nc.subscribe(self.subjects.health, cb=self._on_health)
