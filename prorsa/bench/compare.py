@@ -79,17 +79,17 @@ def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict
     `firsts` (spec -> (SimResult, DemandRecord)) for it."""
     oracles = [s for s in expanded if s.split(":")[0] == "oracle"]
     if not oracles:
-        return run_simulation(config).to_json()
+        return run_simulation(config).to_json(timelines=True)
     from prorsa.sim.oracle import first_pass, first_pass_spec, run_oracle  # the forecaster is heavy to import
 
     if config.policy in {first_pass_spec(s) for s in oracles}:
         first = first_pass(config)
         firsts[config.policy] = first
-        return first[0].to_json()
+        return first[0].to_json(timelines=True)
     if config.policy in oracles:
         first = firsts.get(first_pass_spec(config.policy))
-        return run_oracle(config, first).to_json()
-    return run_simulation(config).to_json()
+        return run_oracle(config, first).to_json(timelines=True)
+    return run_simulation(config).to_json(timelines=True)
 
 
 def _figures(result: dict[str, Any]) -> dict[str, Any]:
