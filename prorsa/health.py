@@ -15,7 +15,7 @@ from proto import HealthReply, HealthRequest, ProtoError, Subjects
 
 async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float = 1.0) -> list[HealthReply]:
     """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance."""
-    _check_reachable(nats_url)
+    check_reachable(nats_url)
 
     async def quiet(exc: Exception) -> None:  # the caller reports failures; no tracebacks from the client
         return None
@@ -43,7 +43,7 @@ async def gather_health(nats_url: str, namespace: str = "prorsa", wait_s: float 
         await nc.close()
 
 
-def _check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:
+def check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:
     """Fail fast (ConnectionError) when no server listens at any of the URL's addresses."""
     for part in nats_url.split(","):
         u = urlparse(part.strip())

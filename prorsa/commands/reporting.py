@@ -53,8 +53,8 @@ def _write(
 
     report = write_report(directory, filename, title, runs, lines)
     for note in report.notices:
-        console.print(f"[yellow]report: {note}[/yellow]")
-    console.print(f"report: {report.path}")
+        console.print(f"[yellow]report: {note}[/yellow]", soft_wrap=True)
+    console.print(f"report: {report.path}", soft_wrap=True, highlight=False)  # one line: a path to copy
     return report.path
 
 
