@@ -41,7 +41,11 @@ class ServiceMetrics:
         self.errors = Counter(
             "prorsa_errors", "Errors by kind", ["service", "instance", "kind"], registry=self.registry
         )
-        for kind in ("decode", "schema_version", "handler"):  # exist at 0 from the start: rate() sees the first
+        for kind in (
+            "decode",
+            "schema_version",
+            "handler",
+        ):  # exist at 0 from the start: rate() sees the first
             self.errors.labels(kind=kind, **labels)
         self.loop_lag = Histogram(
             "prorsa_event_loop_lag_seconds",
