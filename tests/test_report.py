@@ -149,3 +149,13 @@ def test_sim_json_without_timelines_still_reports(tmp_path: Path) -> None:
     page = Path(write_report(str(tmp_path), "r.html", "r", [run], []).path).read_text()
     assert 'class="missing" data-plot="colocated:roles"' in page
     assert '<figure class="plot" data-plot="colocated:demand"' in page
+
+
+def test_a_live_run_that_recorded_nothing_says_so(tmp_path: Path) -> None:
+    """Bad input: a live rollout that ended before any engine reported and no trajectory completed."""
+    summary = {"trajectories_completed": 0, "trajectories_expected": 2}
+    run = from_live("prorsa", LiveResult(summary, Recorder(), []), "qwen3-235b")
+    report = write_report(str(tmp_path), "empty.html", "empty", [run], [])
+    assert report.notices == ["prorsa: no trajectory completed, so it has no trajectory times"]
+    page = Path(report.path).read_text()
+    assert page.count('class="missing"') == 4 and "<svg" not in page
