@@ -176,3 +176,18 @@ def test_startup_problem_names_what_is_wrong() -> None:
     s.reject("_INBOX.x", err.value)
     problem = s.startup_problem()
     assert problem is not None and "another wire format" in problem and "schema version 2" in problem
+
+
+@pytest.mark.parametrize("path", ["prorsa/top/state.py", "prorsa/top/render.py"])
+def test_the_core_and_its_renderer_do_no_io(path: str) -> None:
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / path).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert not imported & {"asyncio", "nats", "time", "random"}, imported

@@ -31,7 +31,7 @@ def bench_report(
         spec = r.get("chosen", r["policy"])
         name = r["policy"] + (f" → {spec}" if "chosen" in r else "")
         runs.append(from_sim_json(name, full[spec]))
-    return _write(console, directory, "bench.html", title, runs, [_config_line(config)])
+    return write(console, directory, "bench.html", title, runs, [_config_line(config)])
 
 
 def live_runs(results: dict[str, LiveResult], profile: str | None) -> list[RunData]:
@@ -43,12 +43,7 @@ def live_runs(results: dict[str, LiveResult], profile: str | None) -> list[RunDa
 def write(
     console: Console, directory: str, filename: str, title: str, runs: list[RunData], lines: list[str]
 ) -> str:
-    return _write(console, directory, filename, title, runs, lines)
-
-
-def _write(
-    console: Console, directory: str, filename: str, title: str, runs: list[RunData], lines: list[str]
-) -> str:
+    """Write the page; print what a reader should know first, then where it is. Returns its path."""
     from prorsa.report import write_report
 
     report = write_report(directory, filename, title, runs, lines)

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nats.errors import Error as NatsError
     from rich.console import Console
 
     console = Console()
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except (OSError, ConnectionError) as exc:
         console.print(f"prorsa top: cannot reach NATS at {url}: {exc}")
+        return 1
+    except NatsError as exc:  # e.g. the server went away for good while watching
+        console.print(f"prorsa top: lost NATS at {url}: {exc!r}")
         return 1
 
 
@@ -79,33 +83,8 @@ async def watch(
     except NoServersError as exc:
         raise ConnectionError(str(exc)) from None
     state = TopState()
-    s = proto.Subjects(namespace)
-
-    def feed(expected: Any) -> Any:
-        async def cb(msg: Any) -> None:
-            try:
-                state.apply(proto.decode(msg.data, msg.subject, expected), time.monotonic())
-            except proto.ProtoError as err:
-                state.reject(msg.subject, err)
-
-        return cb
-
     try:
-        for subject, expected in (
-            (s.all_engine_stats, proto.EngineStats),
-            (s.all_engine_acks, proto.RoleSwitchAck),
-            (s.plan, proto.AllocationPlan),
-            (s.snapshot, proto.LifecycleSnapshot),
-            (s.forecast, proto.DemandForecast),
-            (s.lifecycle, proto.LIFECYCLE_MESSAGES),
-        ):
-            await nc.subscribe(subject, cb=feed(expected))
-        inbox = nc.new_inbox()
-        await nc.subscribe(inbox, cb=feed(proto.HealthReply))
-
-        async def probe() -> None:
-            await nc.publish(s.health, proto.encode(proto.HealthRequest(ts_s=time.time())), reply=inbox)
-
+        probe = await _subscribe(nc, state, proto.Subjects(namespace))
         await probe()
         await asyncio.sleep(probe_s)
         problem = state.startup_problem()
@@ -128,3 +107,35 @@ async def watch(
         return 0
     finally:
         await nc.close()
+
+
+async def _subscribe(nc: Any, state: Any, s: Any) -> Any:
+    """Feed every watched subject to `state` (a message that does not decode is counted there, not raised);
+    returns the health probe: a coroutine function that asks every service to answer."""
+    import proto
+
+    def feed(expected: Any) -> Any:
+        async def cb(msg: Any) -> None:
+            try:
+                state.apply(proto.decode(msg.data, msg.subject, expected), time.monotonic())
+            except proto.ProtoError as err:
+                state.reject(msg.subject, err)
+
+        return cb
+
+    for subject, expected in (
+        (s.all_engine_stats, proto.EngineStats),
+        (s.all_engine_acks, proto.RoleSwitchAck),
+        (s.plan, proto.AllocationPlan),
+        (s.snapshot, proto.LifecycleSnapshot),
+        (s.forecast, proto.DemandForecast),
+        (s.lifecycle, proto.LIFECYCLE_MESSAGES),
+    ):
+        await nc.subscribe(subject, cb=feed(expected))
+    inbox = nc.new_inbox()
+    await nc.subscribe(inbox, cb=feed(proto.HealthReply))
+
+    async def probe() -> None:
+        await nc.publish(s.health, proto.encode(proto.HealthRequest(ts_s=time.time())), reply=inbox)
+
+    return probe
