@@ -108,16 +108,22 @@ async def test_every_dashboard_series_is_exported(nats_server, monkeypatch) -> N
 
 
 def test_the_metrics_port_is_freed_when_a_service_stops() -> None:
-    """`ServiceMetrics.close` ends the HTTP server (in-process services, as in the test above, reuse ports)."""
+    """`ServiceMetrics.close` ends the HTTP server: nothing answers there, and the next instance can serve on the
+    same port (in-process services, as in the test above, come and go in one test session)."""
+    import urllib.error
+
     from services.runtime.metrics import ServiceMetrics
 
     port = free_port()
-    m = ServiceMetrics("tracker", "t-1")
-    m.serve(port)
-    assert (
-        "prorsa_errors"
-        in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    )
-    m.close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    first = ServiceMetrics("trajectory_tracker", "t-1")
+    first.serve(port)
+    assert "t-1" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    first.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    second = ServiceMetrics("trajectory_tracker", "t-2")
+    second.serve(port)
+    try:
+        assert "t-2" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        second.close()
