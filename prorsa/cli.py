@@ -15,6 +15,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("up", "prorsa.commands.up", "start embedded NATS + every service + engines; Ctrl-C stops"),
     ("status", "prorsa.commands.status", "list live services and engines from their health replies"),
     ("secrets", "prorsa.commands.secrets", "write bus credentials and permissions for a cluster (compose)"),
+    ("top", "prorsa.commands.top", "a live view of a running cluster: engines, demand, plan, trajectories"),
     ("demo", "prorsa.commands.demo", "the main job on the embedded default"),
     ("sim", "prorsa.sim.cli", "discrete-event simulation of one policy on a workload"),
     ("bench", "prorsa.commands.bench", "every allocator policy on the same workload and seed"),

@@ -24,7 +24,7 @@ async def gather_health(
 ) -> list[HealthReply]:
     """Every HealthReply that arrives within `wait_s` (one per live service instance), sorted by service/instance.
     `credentials`: whom to ask as (default: the PRORSA_NATS_* environment's)."""
-    _check_reachable(nats_url)
+    check_reachable(nats_url)
 
     errors: list[Exception] = []
 
@@ -64,7 +64,7 @@ async def gather_health(
         await nc.close()
 
 
-def _check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:
+def check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:
     """Fail fast (ConnectionError) when no server listens at any of the URL's addresses."""
     for part in nats_url.split(","):
         u = urlparse(part.strip())

@@ -32,3 +32,11 @@ async def nc(nats_server: EmbeddedNatsServer) -> AsyncIterator:
     await ensure_streams(conn.jetstream(), Subjects())
     yield conn
     await conn.close()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's headless Chromium, installed on first use where apt works (tests/browser.py); else a skip."""
+    from tests.browser import find_or_install_chromium
+
+    return find_or_install_chromium()

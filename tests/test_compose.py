@@ -190,3 +190,37 @@ async def test_the_cluster_config_runs_three_authenticated_nodes(tmp_path) -> No
         for p in procs:
             p.terminate()
             p.wait(timeout=10)
+SERVICES = ("trajectory_tracker", "forecaster", "allocator", "engine_agent")
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port() -> None:
+    compose = load()
+    services = compose["services"]
+    prom = services["prometheus"]
+    mount = next(v for v in prom["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro"))
+    config = yaml.safe_load((ROOT / "docker" / mount.split(":")[0]).read_text())
+    targets = {}
+    for job in config["scrape_configs"]:
+        (sd,) = job["dns_sd_configs"]  # the compose service name resolves to every replica (scaling works)
+        targets[job["job_name"]] = (sd["names"], sd["port"])
+    for name in SERVICES:
+        env = services[name]["environment"]
+        assert env["PRORSA_METRICS_ADDR"] == "0.0.0.0"  # reachable from the Prometheus container
+        assert targets[name] == ([name], int(env["PRORSA_METRICS_PORT"]))
+    assert set(targets) == set(SERVICES)
+    assert set(prom["depends_on"]) == set(SERVICES)
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
+    grafana = load()["services"]["grafana"]
+    mounts = dict(v.strip('"').split(":")[:2] for v in grafana["volumes"])
+    provisioning = ROOT / "docker" / next(k for k, v in mounts.items() if v == "/etc/grafana/provisioning")
+    dashboards = ROOT / "docker" / next(k for k, v in mounts.items() if v == "/var/lib/grafana/dashboards")
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "prorsa.yaml").read_text())["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    board = json.loads((dashboards / "prorsa.json").read_text())
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == source["uid"] and target["expr"]

@@ -9,15 +9,16 @@ import os
 import pytest
 
 from prorsa.cli import main
+from tests.browser import render
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys) -> None:
+def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys, chromium) -> None:
     out = tmp_path / "demo.json"
     argv = ["demo", "--workload", "profile:math", "--batch-size", "2", "--engines", "2", "--speedup", "50"]
     before = os.environ.get("PRORSA_TIME_SCALE")
-    rc = main([*argv, "--training-s", "1", "--json", str(out)])
+    rc = main([*argv, "--training-s", "1", "--json", str(out), "--report", str(tmp_path / "report")])
     assert os.environ.get("PRORSA_TIME_SCALE") == before  # the runs restored the process clock (next test)
     assert rc == 0
     data = json.loads(out.read_text())
@@ -32,6 +33,15 @@ def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys) -> Non
         assert 0.8 < ratio < 1.6, (policy, ratio)
     text = capsys.readouterr().out
     assert "live: colocated / prorsa" in text and "simulated: colocated / prorsa" in text
+    # The report: the live runs and the simulator's beside them, every plot drawn, nothing logged.
+    page = tmp_path / "report" / "demo.html"
+    assert f"report: {page}" in text
+    shown = render(chromium, page)
+    assert shown.console == []
+    runs = ("colocated", "prorsa", "sim colocated", "sim prorsa")
+    drawn = {k for k, v in shown.plots.items() if v == "figure"}
+    assert {f"{r}:{kind}" for r in runs for kind in ("roles", "demand")} | {"all:trajectory_times"} <= drawn
+    assert {"prorsa:forecast", "sim prorsa:forecast"} <= drawn
 
 
 def test_a_live_run_leaves_the_process_time_scale_as_it_found_it(monkeypatch) -> None:

@@ -80,7 +80,7 @@ def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict
     policy, _, forecaster = config.policy.partition("@")
     if forecaster:
         config = dataclasses.replace(config, policy=policy, forecaster=forecaster)
-    return run_simulation(config).to_json()
+    return run_simulation(config).to_json(timelines=True)
 
 
 def _figures(result: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated policy specs; static:best sweeps every P:D split",
     )
     p.add_argument("--plot-dir", default=None, help="write one demand-vs-capacity plot per policy here")
+    p.add_argument("--report", metavar="DIR", default=None, help="write a self-contained HTML report here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,4 +74,8 @@ def run(args: argparse.Namespace) -> int:
             path = os.path.join(args.plot_dir, f"bench-{spec.replace(':', '_')}.png")
             plot_windows(data, path)
         console.print(f"plots in {args.plot_dir}")
+    if args.report:
+        from prorsa.commands.reporting import bench_report
+
+        bench_report(console, args.report, table.title, rows, full, base.echo())
     return 0 if all("error" not in r for r in rows) else 1

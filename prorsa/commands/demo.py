@@ -18,7 +18,9 @@ POLICIES = ("colocated", "prorsa")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     rollout.add_arguments(p)
-    p.set_defaults(workload="swe", engines=4, batch_size=8, steps=1, speedup=20.0, training_s=20.0)
+    p.set_defaults(
+        workload="swe", engines=4, batch_size=8, steps=1, speedup=20.0, training_s=20.0, report="out"
+    )
 
 
 def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any]:
@@ -38,7 +40,7 @@ def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any]:
         training_s=args.training_s,
         seed=args.seed,
     )
-    return run_simulation(config).to_json()
+    return run_simulation(config).to_json(timelines=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,19 +49,18 @@ def run(args: argparse.Namespace) -> int:
     from prorsa.rollout.report import summary_table
 
     console = Console()
-    live: dict[str, dict[str, Any]] = {}
-    for policy in POLICIES:
-        result = rollout.run_with_progress(rollout.live_config(args, policy), f"{args.workload} · {policy}")
-        live[policy] = result.summary
+    results = {
+        policy: rollout.run_with_progress(rollout.live_config(args, policy), f"{args.workload} · {policy}")
+        for policy in POLICIES
+    }
+    live = {policy: result.summary for policy, result in results.items()}
     sim = {p: simulated(args, p) for p in POLICIES} if args.backend == "sim" else {}
     columns = {**live, **{f"sim {p}": r for p, r in sim.items()}}
-    console.print(
-        summary_table(
-            columns,
-            f"prorsa demo · {args.workload} · {args.engines} × {args.backend} engines "
-            f"· {args.batch_size} trajectories · {args.mode}",
-        )
+    title = (
+        f"prorsa demo · {args.workload} · {args.engines} × {args.backend} engines "
+        f"· {args.batch_size} trajectories · {args.mode}"
     )
+    console.print(summary_table(columns, title))
     for label, rows in (("live", live), ("simulated", sim)):
         if not rows:
             continue
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"live": live, "simulated": {p: _headline(r) for p, r in sim.items()}}, f, indent=1)
+    if args.report:
+        _report(console, args, title, results, sim)
     complete = all(r["trajectories_completed"] == r["trajectories_expected"] for r in live.values())
     return 0 if complete else 1
 
@@ -80,3 +83,13 @@ def run(args: argparse.Namespace) -> int:
 def _headline(sim_json: dict[str, Any]) -> dict[str, Any]:
     """The simulator's scalar results (its time series stay out of the demo's JSON)."""
     return {k: v for k, v in sim_json.items() if isinstance(v, int | float | str)}
+
+
+def _report(console: Any, args: argparse.Namespace, title: str, results: dict, sim: dict) -> None:
+    """The live runs, then the simulator's rows beside them."""
+    from prorsa.commands import reporting
+    from prorsa.report import from_sim_json
+
+    runs = reporting.live_runs(results, args.profile if args.backend == "sim" else None)
+    runs += [from_sim_json(f"sim {p}", r) for p, r in sim.items()]
+    reporting.write(console, args.report, "demo.html", title, runs, [f"speed-up {args.speedup:g}×"])

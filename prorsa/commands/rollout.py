@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="write every child's log here")
     p.add_argument("--json", dest="json_path", default=None)
     p.add_argument("--plot-dir", default=None)
+    p.add_argument("--report", metavar="DIR", default=None, help="write a self-contained HTML report here")
 
 
 def live_config(args: argparse.Namespace, policy: str | None = None):  # noqa: ANN201 - LiveConfig (lazy import)
@@ -84,12 +85,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    console.print(
-        summary_table(
-            {args.policy: result.summary},
-            f"prorsa rollout · {args.workload} · {args.engines} × {args.backend} engines · {args.mode}",
-        )
-    )
+    title = f"prorsa rollout · {args.workload} · {args.engines} × {args.backend} engines · {args.mode}"
+    console.print(summary_table({args.policy: result.summary}, title))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"config": vars(cfg), **result.summary}, f, indent=1, default=str)
@@ -98,4 +95,9 @@ def run(args: argparse.Namespace) -> int:
         path = os.path.join(args.plot_dir, f"rollout-{args.policy.replace(':', '_')}.png")
         plot_live(result.recorder, path, f"{args.workload} · {args.policy}")
         console.print(f"plot: {path}")
+    if args.report:
+        from prorsa.commands import reporting
+
+        runs = reporting.live_runs({args.policy: result}, args.profile if args.backend == "sim" else None)
+        reporting.write(console, args.report, "rollout.html", title, runs, [*result.notes])
     return 0 if result.summary["trajectories_completed"] == result.summary["trajectories_expected"] else 1

@@ -48,6 +48,7 @@ class LiveResult:
     summary: dict
     recorder: Recorder
     notes: list[str]
+    trajectory_s: list[float] = field(default_factory=list)  # completion time of every completed trajectory
 
 
 def initial_roles(policy: str, engines: int, profile: str) -> list[str]:
@@ -128,6 +129,7 @@ async def _run_live(
         metrics = await driver.run(steps)
         metrics.role_switches = recorder.role_switches
         await client.close()
-        return LiveResult(metrics.summary(), recorder, list(workload.notes))
+        durations = [r.duration_s for r in metrics.records.values() if r.completed]
+        return LiveResult(metrics.summary(), recorder, list(workload.notes), durations)
     finally:
         system.stop()

@@ -56,7 +56,7 @@ class Simulation:
         for engine_id in ids:
             engine = SimEngine(engine_id, profile, roles[engine_id], self)
             self.engines[engine_id] = engine
-            self.metrics.role_change(0.0, None, engine.role)
+            self.metrics.role_change(0.0, None, engine.role, engine_id)
             self.router.engine_available(engine, 0.0)
         self.now = 0.0
         self.plans_applied = 0

@@ -63,6 +63,14 @@ class LogHistogram:
                 return min(max(mid, self.min), self.max)
         return self.max
 
+    def buckets(self) -> list[tuple[float, int]]:
+        """(bucket midpoint, count) in increasing order: the distribution to 1 % resolution."""
+        out = []
+        for key in sorted(self._buckets):
+            mid = 0.0 if key == -(10**9) else math.exp((key + 0.5) * self._LOG_BASE)
+            out.append((min(max(mid, self.min), self.max), self._buckets[key]))
+        return out
+
 
 @dataclass
 class Windows:
@@ -152,6 +160,9 @@ class Metrics:
         self.busy_s: dict[str, float] = dict.fromkeys(ROLE_NAMES, 0.0)
         self._role_count: dict[str, int] = dict.fromkeys((*ROLE_NAMES, SWITCHING), 0)
         self._role_since = 0.0
+        # Every engine's role at each change, (virtual s, engine id, role or "switching"): two entries per switch,
+        # for the report's role timelines.
+        self.role_log: list[tuple[float, str, str]] = []
         # The per-step series, held directly (touched on every engine step and turn; engines add to `decode_row`).
         self.window_s = window_s
         self.demand_row = self.windows.row("prefill_demand")
@@ -160,9 +171,11 @@ class Metrics:
 
     # -- engine roles -----------------------------------------------------------------------------------------
 
-    def role_change(self, now: float, old: str | None, new: str | None) -> None:
+    def role_change(self, now: float, old: str | None, new: str | None, engine_id: str = "") -> None:
         """An engine moved from `old` to `new` (role name, "switching", or None when it appears/disappears)."""
         self._flush_roles(now)
+        if engine_id and new is not None:
+            self.role_log.append((now, engine_id, new))
         if old is not None:
             self._role_count[old] -= 1
         if new is not None:

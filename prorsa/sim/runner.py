@@ -129,7 +129,41 @@ class SimResult:
             "capacity_mixed_decode_tokens_per_s": [x * decode_rate for x in engines["mixed"]],
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def timelines(self) -> dict[str, Any]:
+        """What the HTML report plots beyond the windows (`prorsa.report`): every engine's role at each change
+        ([virtual s, role or "switching"]), the forecasts the policy read (first horizon: q10/q50/q90 tokens
+        over the next `horizon_s`), and the trajectory completion times as (seconds, count) buckets."""
+        m = self.sim.metrics
+        roles: dict[str, list[list[Any]]] = {}
+        for t, engine_id, role in m.role_log:
+            roles.setdefault(engine_id, []).append([t, role])
+        forecasts = []
+        for f in self.sim._views.forecasts:
+            if not f.horizons:
+                continue
+            h = f.horizons[0]
+            p, d = h.prefill_tokens, h.decode_tokens
+            forecasts.append([f.ts_s, h.horizon_s, p.q10, p.q50, p.q90, d.q10, d.q50, d.q90])
+        return {
+            "end_s": self.end_s,
+            "engine_roles": roles,
+            "forecast_columns": [
+                "ts_s",
+                "horizon_s",
+                "prefill_q10",
+                "prefill_q50",
+                "prefill_q90",
+                "decode_q10",
+                "decode_q50",
+                "decode_q90",
+            ],
+            "forecasts": forecasts,
+            "trajectory_s_buckets": [list(b) for b in m.completion.buckets()],
+        }
+
+    def to_json(self, timelines: bool = False) -> dict[str, Any]:
+        """The result as JSON-ready values; `timelines=True` adds the report's `timelines` section (off by
+        default: the simulator's JSON stays what `prorsa.bench.sim_identity` compares)."""
         m, d = self.sim.metrics, self.sim.driver
         rollout_s = self.end_s
         return {
@@ -167,6 +201,7 @@ class SimResult:
             "workload": getattr(self.sim.driver.workload, "name", "custom"),
             "profile": self.sim.profile.name,
             **self.extra,
+            **({"timelines": self.timelines()} if timelines else {}),
         }
 
 

@@ -67,14 +67,14 @@ class RoleSwitching:
 
     def _start_reconfig(self: SimEngine, now: float) -> None:
         self.state = RECONFIG
-        self.metrics.role_change(now, self.role, "switching")
+        self.metrics.role_change(now, self.role, "switching", self.engine_id)
         self._token += 1
         self._push(now + pm.role_switch_time_s(self.p), ev.RECONFIG_DONE, self, self._token)
 
     def on_reconfig_done(self: SimEngine, token: int, now: float) -> None:
         if token != self._token:
             return
-        self.metrics.role_change(now, "switching", self.target_role)
+        self.metrics.role_change(now, "switching", self.target_role, self.engine_id)
         self.metrics.role_switches += 1
         # Roles switch without a restart (one KV layout serves every role, as NixlConnector's kv_both does), so
         # the prefix cache survives a move between the roles that prefill; an engine that becomes decode-only

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from prorsa.sim.engine import ACTIVE, SimEngine
+from proto import DemandForecast
 from services.allocator.policy import ClusterView, EngineView
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class ViewBuilder:
         self._finished_out = 0
         self._submitted = 0
         self._new_prompt = 0
+        # Every forecast a decision read, for the report's forecast-vs-realised plot (one per policy tick).
+        self.forecasts: list[DemandForecast] = []
 
     def build(self, now: float) -> ClusterView:
         sim, m = self.sim, self.sim.metrics
@@ -55,6 +58,8 @@ class ViewBuilder:
         snapshot, forecast = (
             self.feed.at(now, sim.engines.values()) if self.feed is not None else (None, None)
         )
+        if isinstance(forecast, DemandForecast):
+            self.forecasts.append(forecast)
         view = ClusterView(
             now=now,
             engines=engines,

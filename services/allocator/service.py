@@ -50,6 +50,7 @@ from proto import (
     TurnSubmitted,
 )
 from services.allocator.capacity import resolve_profile
+from services.allocator.metrics import AllocatorMetrics
 from services.allocator.observed import QueueDepth, RecentLoad, build_view
 from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError, make_policy, policy_names
@@ -122,6 +123,7 @@ class AllocatorService(Service):
         }
         self.last_decision_ms = 0.0
         self.last_view: ClusterView | None = None
+        self.domain_metrics = AllocatorMetrics(self.metrics)
 
     @property
     def interval_s(self) -> float:
@@ -265,6 +267,7 @@ class AllocatorService(Service):
             commands = self.coord.commands_for(target, now, prefill_demand, decode_demand, reason)
         finally:
             self.coord.max_concurrent_fraction = fraction
+        self.domain_metrics.on_switches(len(commands))
         for cmd in commands:
             self.counters["switches_issued"] += 1
             self.log.info("switch", engine=cmd.engine_id, role=cmd.role, epoch=cmd.epoch, reason=reason)
@@ -289,6 +292,7 @@ class AllocatorService(Service):
             plan = None
         self.last_decision_ms = (time.perf_counter() - t0) * 1e3
         self.counters["decisions"] += 1
+        self.domain_metrics.on_decision(self.last_decision_ms / 1e3)
         if plan is None:
             return {}, f"{self.policy.name}: keep", False
         return dict(plan.roles), plan.reason, False
@@ -360,6 +364,7 @@ class AllocatorService(Service):
             reply = await self.nc.request(subject, proto.encode(cmd), timeout=self.command_timeout_s)
         except (NatsTimeoutError, TimeoutError):
             self.counters["command_timeouts"] += 1
+            self.domain_metrics.on_timeout()
             self.log.warning("command_timeout", engine=cmd.engine_id, epoch=cmd.epoch, note="not retried")
             return
         except NoRespondersError:
@@ -396,3 +401,4 @@ class AllocatorService(Service):
         with contextlib.suppress(Exception):  # a publish failure (reconnecting) must not stop the decisions
             await self.publish(self.subjects.plan, plan)
             self.counters["plans_published"] += 1
+        self.domain_metrics.on_plan(plan)

@@ -27,11 +27,13 @@ from proto import (
     EngineStats,
     Message,
     PolicyVersionUpdate,
+    RequestFinished,
     RoleSwitchAck,
     RoleSwitchCommand,
     check_token,
 )
 from services.engine_agent.backend import Backend
+from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.puller import PullConfig, WorkPuller
 from services.engine_agent.role_state import (
     DEFAULT_MAX_EPOCH_JUMP,
@@ -86,6 +88,7 @@ class EngineAgent(Service):
         super().__init__(nats_url, namespace, instance_id or f"engine_agent-{engine_id}", metrics_port)
         self.engine_id = engine_id
         self.backend = backend
+        self.domain_metrics = EngineMetrics(self.metrics, engine_id)
         self.config = config or AgentConfig()
         self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
         self.policy_version = 0
@@ -172,6 +175,8 @@ class EngineAgent(Service):
         """Publish an engine event (PrefillDone, TokenProgress, ...) into the EVENTS stream, numbered per engine."""
         self._event_seq += 1
         msg = cls(engine_id=self.engine_id, ts_s=clock.now_s(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
+        if isinstance(msg, RequestFinished):
+            self.domain_metrics.on_finished(msg)
         try:
             await self.js_publish(self.subjects.engine_events(self.engine_id), msg)
         except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
@@ -278,8 +283,10 @@ class EngineAgent(Service):
 
     async def _stats_loop(self) -> None:
         while True:
+            stats = self.stats_snapshot()
+            self.domain_metrics.observe(stats, self.runner.prefill_new_tokens, self.runner.decode_tokens)
             with contextlib.suppress(Exception):
-                await self.publish(self.subjects.engine_stats(self.engine_id), self.stats_snapshot())
+                await self.publish(self.subjects.engine_stats(self.engine_id), stats)
             await asyncio.sleep(self.config.stats_interval_s)  # wall cadence, see AgentConfig
 
     def stats_snapshot(self) -> EngineStats:

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 
 from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, LifecycleSnapshot, Message
 from services.forecaster.core import ForecasterCore
+from services.forecaster.metrics import ForecastMetrics
 from services.forecaster.series import HORIZONS_S
 from services.runtime import clock
 from services.runtime.service import Service
@@ -47,6 +48,7 @@ class ForecasterService(Service):
         self.core = ForecasterCore(
             predictor, horizons_s=horizons_s, window_s=window_s, refit_interval_s=refit_interval_s, seed=seed
         )
+        self.domain_metrics = ForecastMetrics(self.metrics, self.core.horizons_s)
         self.forecasts_published = 0
         self.refits = 0
         self._refitting = False
@@ -65,6 +67,8 @@ class ForecasterService(Service):
         self.core.observe_snapshot(snapshot, now)
         forecast = self.core.forecast(now)
         await self.publish(self.subjects.forecast, forecast)
+        self.domain_metrics.observe_forecast(forecast)
+        self.domain_metrics.observe_series(self.core.series)
         self.forecasts_published += 1
         if not self._refitting and self.core.refit_due(now):
             job = self.core.refit_job(now)

@@ -1,12 +1,24 @@
-"""Prometheus metrics of one service instance: messages in and out per subject, errors by kind, event-loop lag.
+"""Prometheus metrics of one service instance: messages in and out per subject, errors by kind, event-loop lag,
+and the factories (`gauge`, `counter`, `histogram`) each service's domain metrics are made with.
 
 Each service gets its own registry, so several services can live in one process (as under `prorsa up` in tests)
-without clashing; `serve(port)` exposes it over HTTP when a port is configured.
+without clashing; `serve(port)` exposes it over HTTP when a port is configured, on 127.0.0.1 unless
+$PRORSA_METRICS_ADDR says otherwise (a container sets 0.0.0.0 so that Prometheus can scrape it).
+
+Every series carries the labels `service` and `instance`. Names follow Prometheus conventions: a `prorsa_` prefix,
+base units in the name (`_seconds`, `_tokens`, `_requests`), counters ending in `_total` (prometheus_client adds
+the suffix to a Counter's name).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+METRICS_ADDR_ENV = "PRORSA_METRICS_ADDR"
 
 
 class ServiceMetrics:
@@ -29,6 +41,12 @@ class ServiceMetrics:
         self.errors = Counter(
             "prorsa_errors", "Errors by kind", ["service", "instance", "kind"], registry=self.registry
         )
+        for kind in (
+            "decode",
+            "schema_version",
+            "handler",
+        ):  # exist at 0 from the start: rate() sees the first
+            self.errors.labels(kind=kind, **labels)
         self.loop_lag = Histogram(
             "prorsa_event_loop_lag_seconds",
             "How late the event loop ran a scheduled tick",
@@ -46,6 +64,28 @@ class ServiceMetrics:
         self.error_counts: dict[str, int] = {}
         self.in_count = 0
         self.out_count = 0
+        self._server: Any = None
+
+    # -- factories for the services' domain metrics ------------------------------------------------------------
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        """A gauge with this instance's labels bound; the caller gives the rest (`.labels(**rest)` if any)."""
+        return self._bind(Gauge(name, doc, ["service", "instance", *labels], registry=self.registry), labels)
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        return self._bind(
+            Counter(name, doc, ["service", "instance", *labels], registry=self.registry), labels
+        )
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> Any:
+        metric = Histogram(
+            name, doc, ["service", "instance", *labels], buckets=buckets, registry=self.registry
+        )
+        return self._bind(metric, labels)
+
+    def _bind(self, metric: Any, labels: Sequence[str]) -> Any:
+        if labels:
+            return _Bound(metric, self._labels)
+        return metric.labels(**self._labels)
 
     def count_in(self, subject: str) -> None:
         self.in_count += 1
@@ -64,7 +104,26 @@ class ServiceMetrics:
         self.loop_lag_last.labels(**self._labels).set(lag_s)
 
     def serve(self, port: int) -> None:
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        addr = os.environ.get(METRICS_ADDR_ENV, "127.0.0.1")
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+
+    def close(self) -> None:
+        """Stop serving (the HTTP server's thread ends; the port is free again)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _Bound:
+    """A labelled metric with `service` and `instance` already filled in: `.labels(role=...)` gives the child."""
+
+    def __init__(self, metric: Any, base: dict[str, str]) -> None:
+        self._metric = metric
+        self._base = base
+
+    def labels(self, **labels: str) -> Any:
+        return self._metric.labels(**self._base, **labels)
 
 
 def _family(subject: str) -> str:

@@ -126,6 +126,7 @@ class Service:
                     await asyncio.wait_for(self.nc.drain(), timeout=5)
                 if not self.nc.is_closed:
                     await self.nc.close()
+            self.metrics.close()
             self.log.info("service_stopped")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:

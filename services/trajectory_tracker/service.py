@@ -31,6 +31,7 @@ from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, ErrorReply, Message
 from services.runtime import clock
 from services.runtime.service import Service
 from services.trajectory_tracker.core import BENIGN_KINDS, Rejection, TrackerConfig, TrackerCore
+from services.trajectory_tracker.metrics import TrackerMetrics
 
 EVENT_TYPES = (*LIFECYCLE_MESSAGES, *ENGINE_EVENT_MESSAGES)
 
@@ -60,6 +61,7 @@ class TrackerService(Service):
         self.last_stream_seq = 0  # stream sequence of the last event applied
         self.snapshots_published = 0
         self._psub: Any = None
+        self.domain_metrics = TrackerMetrics(self.metrics)
 
     async def setup(self) -> None:
         assert self.js is not None
@@ -124,7 +126,9 @@ class TrackerService(Service):
         lost = self.core.expire(now)
         if lost:
             self.log.info("trajectories_lost", count=len(lost), first=lost[0])
-        await self.publish(self.subjects.snapshot, self.core.snapshot(now))
+        snapshot = self.core.snapshot(now)
+        await self.publish(self.subjects.snapshot, snapshot)
+        self.domain_metrics.observe(snapshot)
         self.snapshots_published += 1
 
     def health_details(self) -> dict[str, Any]:
