@@ -272,6 +272,9 @@ class EngineStats(Message, frozen=True, kw_only=True):
     in_flight_tokens: NonNegInt = 0  # tokens still to compute for work it holds
     # Prompt tokens its prefix cache holds for later turns (0 = not measured): what a role switch would throw away.
     prefix_cache_tokens: NonNegInt = 0
+    # The performance profile it runs as — a built-in name or a profile file written by `prorsa profile` — so the
+    # allocator plans with the engines it has ("" = not known).
+    profile: str = ""
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

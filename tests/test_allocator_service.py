@@ -43,6 +43,7 @@ class TinyEngine:
         self.kv_used_tokens = 0
         self.stamp_offset_s = 0.0  # < 0: publish stats stamped in the past (a replay / a lagging clock)
         self.publishing = True
+        self.profile = ""  # the performance profile it reports
         self.commands: list[RoleSwitchCommand] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -79,6 +80,7 @@ class TinyEngine:
                     epoch=self.epoch,
                     kv_used_tokens=self.kv_used_tokens,
                     kv_capacity_tokens=KV_CAPACITY,
+                    profile=self.profile,
                 )
                 await self.nc.publish(SUBJECTS.engine_stats(self.engine_id), proto.encode(stats))
             await asyncio.sleep(0.1)
@@ -109,8 +111,27 @@ async def fleet(nc: nats.NATS, roles: dict[str, str], silent: tuple[str, ...] = 
 
 
 def allocator(url: str, policy: str = "prorsa", **kw) -> AllocatorService:
-    defaults = dict(interval_s=0.2, stale_after_s=1.0, command_timeout_s=0.5, ack_timeout_s=30.0)
-    return AllocatorService(url, policy=policy, profile="qwen3-235b", **{**defaults, **kw})
+    defaults = dict(
+        interval_s=0.2, stale_after_s=1.0, command_timeout_s=0.5, ack_timeout_s=30.0, profile="qwen3-235b"
+    )
+    return AllocatorService(url, policy=policy, **{**defaults, **kw})
+
+
+@pytest.mark.parametrize(("reported", "planned"), [("cpu-tiny", "cpu-tiny"), ("", "qwen3-235b")])
+async def test_the_allocator_plans_with_the_profile_its_engines_report(
+    bus, reported: str, planned: str
+) -> None:
+    url, nc, _ = bus
+    engines = await fleet(nc, {"e0": "mixed", "e1": "mixed"})
+    for e in engines.values():
+        e.profile = reported
+    svc = allocator(url, profile="auto")
+    await svc.start()
+    try:
+        await until(lambda: svc.policy is not None)
+        assert svc.policy.capacity.profile.name == planned  # type: ignore[attr-defined]
+    finally:
+        await stop_all(svc, engines)
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 5.0, what: Callable[[], str] = str) -> None:

@@ -29,7 +29,7 @@ def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any]:
 
     config = SimConfig(
         workload=args.workload,
-        profile=args.profile,
+        profile=args.profile or "qwen3-235b",
         engines=args.engines,
         policy=policy,
         mode=args.mode,
@@ -90,6 +90,6 @@ def _report(console: Any, args: argparse.Namespace, title: str, results: dict, s
     from prorsa.commands import reporting
     from prorsa.report import from_sim_json
 
-    runs = reporting.live_runs(results, args.profile if args.backend == "sim" else None)
+    runs = reporting.live_runs(results, (args.profile or "qwen3-235b") if args.backend == "sim" else None)
     runs += [from_sim_json(f"sim {p}", r) for p, r in sim.items()]
     reporting.write(console, args.report, "demo.html", title, runs, [f"speed-up {args.speedup:g}×"])

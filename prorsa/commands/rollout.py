@@ -14,7 +14,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("sim", "vllm"), default="sim")
     p.add_argument("--model", default=None, help="model path for --backend vllm")
     p.add_argument("--dtype", default=None, help="--backend vllm: model dtype (float32 on CPUs without bf16)")
-    p.add_argument("--profile", default="qwen3-235b", help="sim: engine performance profile")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="engine performance profile: sim engines run as it (default qwen3-235b); vLLM engines report it to "
+        "the allocator (a JSON from `prorsa profile`; default cpu-tiny under vllm-cpu, else none)",
+    )
     p.add_argument(
         "--policy", default="prorsa", help="allocator policy (colocated, static:P:D, reactive, ...)"
     )
@@ -36,6 +41,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", metavar="DIR", default=None, help="write a self-contained HTML report here")
 
 
+def _vllm_default_profile() -> str:
+    """cpu-tiny (measured on vllm-cpu with the tiny model, CALIBRATION.md) where vllm-cpu is what is installed."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return ""
+    return "cpu-tiny"
+
+
 def live_config(args: argparse.Namespace, policy: str | None = None):  # noqa: ANN201 - LiveConfig (lazy import)
     from prorsa.rollout.live import LiveConfig
 
@@ -44,7 +60,8 @@ def live_config(args: argparse.Namespace, policy: str | None = None):  # noqa: A
         engines=args.engines,
         backend=args.backend,
         model=args.model,
-        profile=args.profile,
+        profile=args.profile or "qwen3-235b",
+        engine_profile=(args.profile or _vllm_default_profile()) if args.backend == "vllm" else "",
         policy=policy or args.policy,
         mode=args.mode,
         staleness=args.staleness,
@@ -98,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         from prorsa.commands import reporting
 
-        runs = reporting.live_runs({args.policy: result}, args.profile if args.backend == "sim" else None)
+        runs = reporting.live_runs(
+            {args.policy: result}, (args.profile or "qwen3-235b") if args.backend == "sim" else None
+        )
         reporting.write(console, args.report, "rollout.html", title, runs, [*result.notes])
     return 0 if result.summary["trajectories_completed"] == result.summary["trajectories_expected"] else 1

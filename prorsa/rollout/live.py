@@ -26,7 +26,10 @@ class LiveConfig:
     engines: int = 4
     backend: str = "sim"
     model: str | None = None
-    profile: str = "qwen3-235b"
+    profile: str = "qwen3-235b"  # sim engines run as this profile
+    # vLLM engines: the profile they report to the allocator (a `prorsa profile` JSON or a built-in name; "" = none,
+    # and the allocator falls back to its default)
+    engine_profile: str = ""
     policy: str = "prorsa"
     mode: str = "sync"
     staleness: int = 0
@@ -75,12 +78,14 @@ async def _run_live(
     engine_args = [*cfg.extra_engine_args, "--stats-interval-s", str(stats_wall_s)]
     if cfg.backend == "sim":
         engine_args += ["--profile", cfg.profile, "--speedup", str(speedup)]
+    elif cfg.engine_profile:  # a real engine's calibration (`prorsa profile`), reported to the allocator
+        engine_args += ["--profile", cfg.engine_profile]
     interval_s = cfg.allocator_interval_s or max(5.0, 2 * stats_wall_s * speedup)
     allocator_args = [
         "--policy",
         cfg.policy,
         "--profile",
-        cfg.profile,
+        "auto",  # what the engines report (EngineStats.profile)
         "--engines",
         str(cfg.engines),
         "--interval-s",

@@ -12,7 +12,10 @@ from services.runtime.main import run_service_main
 def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="prorsa", help="policy spec: name[:key=value...] (default: prorsa)")
     p.add_argument(
-        "--profile", default="qwen3-235b", help="engine performance profile: built-in name or JSON file"
+        "--profile",
+        default="auto",
+        help="engine performance profile: built-in name, JSON file, or auto (what the engines report, "
+        "else qwen3-235b)",
     )
     p.add_argument(
         "--interval-s", type=float, default=None, help="seconds between decisions (default: the policy's)"

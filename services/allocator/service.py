@@ -49,7 +49,7 @@ from proto import (
     RoleSwitchCommand,
     TurnSubmitted,
 )
-from services.allocator.capacity import resolve_profile
+from services.allocator.capacity import ModelProfile, resolve_profile
 from services.allocator.metrics import AllocatorMetrics
 from services.allocator.observed import QueueDepth, RecentLoad, build_view
 from services.allocator.policies.common import role_demand
@@ -87,7 +87,9 @@ class AllocatorService(Service):
         super().__init__(nats_url, namespace, instance_id, metrics_port)
         if isinstance(policy, str) and policy.split(":")[0] not in policy_names():
             raise PolicyError(f"unknown policy {policy!r}; known: {', '.join(policy_names())}")
-        self.profile = resolve_profile(profile)
+        # "auto" (or None): the profile the engines report (EngineStats.profile), else the default
+        self._profile_auto = profile is None or profile == "auto"
+        self.profile = resolve_profile(None if self._profile_auto else profile)
         self.policy_spec = policy if isinstance(policy, str) else policy.name
         self.policy: AllocatorPolicy | None = None if isinstance(policy, str) else policy
         self.n_engines = n_engines
@@ -227,6 +229,22 @@ class AllocatorService(Service):
                 self.metrics.count_error("tick")
                 self.log.exception("tick_failed", error=repr(exc))
 
+    def _reported_profile(self, fresh: dict[str, EngineStats]) -> ModelProfile:
+        """The one profile every reporting engine names, resolved; else the default (logged either way)."""
+        names = {s.profile for s in fresh.values() if s.profile}
+        if len(names) == 1:
+            (name,) = names
+            try:
+                profile = resolve_profile(name)
+            except ValueError as exc:
+                self.log.warning("engine_profile_unusable", profile=name, error=str(exc))
+            else:
+                self.log.info("engine_profile", profile=profile.name, engines=len(fresh))
+                return profile
+        elif names:
+            self.log.warning("engine_profiles_differ", profiles=sorted(names), using=self.profile.name)
+        return self.profile
+
     async def tick(self) -> list[RoleSwitchCommand]:
         """One decision: view → policy → commands → plan. Returns the commands sent (tests, logs)."""
         now = clock.now_s()
@@ -236,6 +254,8 @@ class AllocatorService(Service):
         if not fresh:
             return []
         if self.policy is None:
+            if self._profile_auto:
+                self.profile = self._reported_profile(fresh)
             try:
                 self.policy = make_policy(
                     self.policy_spec, self.n_engines or len(fresh), profile=self.profile

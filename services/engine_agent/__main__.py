@@ -37,7 +37,10 @@ def extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("sim", "vllm"), default="sim")
     p.add_argument("--role", choices=ROLES, default="mixed", help="role at start-up (default: mixed)")
     p.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help="sim: built-in model profile or profile JSON path"
+        "--profile",
+        default=None,
+        help="performance profile, built-in name or a JSON file from `prorsa profile`: the sim backend runs as it "
+        f"(default {DEFAULT_PROFILE}); every engine reports it to the allocator (vllm: only if given)",
     )
     p.add_argument(
         "--speedup",
@@ -92,7 +95,7 @@ def make_backend(args: argparse.Namespace, engine_id: str) -> Backend:
         from services.runtime.model_profiles import load_profile
 
         try:
-            profile = load_profile(args.profile)
+            profile = load_profile(args.profile or DEFAULT_PROFILE)
         except ValueError as exc:
             raise SystemExit(f"engine_agent: {exc}") from None
         return SimBackend(
@@ -140,6 +143,7 @@ def make_agent(args: argparse.Namespace, url: str, namespace: str) -> Service:
     engine_id = args.engine_id or default_engine_id()
     config = AgentConfig(
         role=args.role,
+        profile=args.profile or (DEFAULT_PROFILE if args.backend == "sim" else ""),
         ack_wait_s=args.ack_wait_s,
         stats_interval_s=args.stats_interval_s,
         chunk_interval_s=args.chunk_interval_s,

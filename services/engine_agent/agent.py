@@ -52,6 +52,9 @@ from services.runtime.service import Service
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     role: str = "mixed"  # role at start-up
+    profile: str = (
+        ""  # performance profile reported in EngineStats (built-in name or profile file; "" unknown)
+    )
     # Wall seconds (I/O cadences and server-side timeouts, see the module docstring):
     ack_wait_s: float = 30.0  # JetStream ack_wait of the work consumers (in_progress() every third of it)
     stats_interval_s: float = 1.0  # EngineStats publishing interval (its rates are per scaled second)
@@ -318,4 +321,5 @@ class EngineAgent(Service):
             last_switch_s=self.last_switch_s,
             in_flight_tokens=r.in_flight_tokens(),
             prefix_cache_tokens=max(0, b.prefix_cache_tokens),
+            profile=self.config.profile,
         )
