@@ -1,6 +1,7 @@
 """Decision latency of the allocator policies: one forecast + cluster view in, one plan (or none) out.
 
-    python -m prorsa.bench.allocator_speed [--engines 256] [--decisions 300] [--policies prorsa,oracle,reactive,dynamo]
+    python -m prorsa.bench.allocator_speed [--engines 256] [--trajectories 10000] [--decisions 300]
+        [--policies prorsa,reactive,dynamo]
 
 Every decision gets a different view (seeded random roles, queues, batches, KV) and a forecast over five horizons,
 so neither hysteresis nor any cache makes later decisions cheaper than the first. The time measured is
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto import DemandForecast, HorizonForecast, Quantiles
+from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles, TrajectoryFeatures
 from services.allocator.policy import ClusterView, EngineView, make_policy
 
 HORIZONS_S = (5.0, 10.0, 20.0, 30.0, 60.0)
@@ -59,7 +60,38 @@ def random_forecast(rng: np.random.Generator, n: int, now: float) -> DemandForec
     return DemandForecast(ts_s=now, predictor="bench", horizons=horizons)
 
 
-def random_view(rng: np.random.Generator, n: int, now: float) -> ClusterView:
+def random_snapshot(rng: np.random.Generator, trajectories: int, now: float) -> LifecycleSnapshot:
+    """The tracker's picture of `trajectories` live trajectories, in random phases and turns."""
+    states = rng.choice(
+        ["queued", "prefill", "decode", "tool_call"], size=trajectories, p=[0.05, 0.05, 0.5, 0.4]
+    )
+    counts = {s: int((states == s).sum()) for s in ("queued", "prefill", "decode", "tool_call")}
+    trajs = [
+        TrajectoryFeatures(
+            traj_id=f"t{i}",
+            task="general",
+            state=str(st),
+            time_in_state_s=1.0,
+            turn=int(rng.integers(0, 30)),
+            context_tokens=int(rng.integers(1_000, 60_000)),
+            generated_this_turn=0,
+        )
+        for i, st in enumerate(states)
+    ]
+    return LifecycleSnapshot(
+        ts_s=now,
+        seq=int(now),
+        counts=counts,
+        counts_by_task={"general": counts},
+        context_tokens_by_state={},
+        trajectories=trajs,
+        finished_total=int(now),
+    )
+
+
+def random_view(
+    rng: np.random.Generator, n: int, now: float, snapshot: LifecycleSnapshot | None = None
+) -> ClusterView:
     """A cluster of `n` engines split at random between prefill and decode, with queues and running work."""
     engines = []
     for i in range(n):
@@ -91,6 +123,7 @@ def random_view(rng: np.random.Generator, n: int, now: float) -> ClusterView:
         prefill_tokens_per_s=float(rng.uniform(0, n * 20_000)),
         decode_tokens_per_s=float(rng.uniform(0, n * 3_000)),
         forecast=random_forecast(rng, n, now),
+        snapshot=snapshot,
         recent_window_s=5.0,
         recent_requests=int(rng.integers(0, 50 * n)),
         recent_mean_isl_tokens=float(rng.uniform(200, 4_000)),
@@ -99,11 +132,16 @@ def random_view(rng: np.random.Generator, n: int, now: float) -> ClusterView:
     )
 
 
-def bench(spec: str, engines: int = 256, decisions: int = 300, seed: int = 0) -> Timing:
-    """Time `decisions` calls of `decide` for policy `spec` on fresh random views (5 s of view time apart)."""
+def bench(
+    spec: str, engines: int = 256, decisions: int = 300, seed: int = 0, trajectories: int = 10_000
+) -> Timing:
+    """Time `decisions` calls of `decide` for policy `spec` on fresh random views (5 s of view time apart), each
+    with a tracker snapshot of `trajectories` live trajectories (a few distinct ones, reused: building 10k
+    features per view is the tracker's cost, not the decision's)."""
     rng = np.random.default_rng(seed)
     policy = make_policy(spec, engines)
-    views = [random_view(rng, engines, 5.0 * (k + 1)) for k in range(decisions)]
+    snaps = [random_snapshot(rng, trajectories, 5.0 * (k + 1)) for k in range(4)] if trajectories else [None]
+    views = [random_view(rng, engines, 5.0 * (k + 1), snaps[k % len(snaps)]) for k in range(decisions)]
     times: list[float] = []
     plans = 0
     for v in views:
@@ -131,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Decision latency of the allocator policies")
     parser.add_argument("--engines", type=int, default=256)
     parser.add_argument("--decisions", type=int, default=300)
-    parser.add_argument("--policies", default="prorsa,oracle,reactive,dynamo")
+    parser.add_argument("--trajectories", type=int, default=10_000, help="live trajectories in each snapshot")
+    parser.add_argument("--policies", default="prorsa,reactive,dynamo")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     specs = [s for s in args.policies.split(",") if s]
@@ -140,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = ("policy", "engines", "decisions", "plans", "p50 ms", "p99 ms", "max ms")
     print(f"{header[0]:<12} " + " ".join(f"{h:>{max(5, len(h))}}" for h in header[1:]))
     for spec in specs:
-        t = bench(spec, args.engines, args.decisions, args.seed)
+        t = bench(spec, args.engines, args.decisions, args.seed, args.trajectories)
         print(
             f"{t.policy:<12} {t.engines:>7} {t.decisions:>9} {t.plans:>5} "
             f"{t.p50_ms:>6.2f} {t.p99_ms:>6.2f} {t.max_ms:>6.2f}"

@@ -99,6 +99,7 @@ class ProrsaPolicy(AllocatorPolicy):
     prior_model_error: float = 0.5
     error_weight: float = 0.2
     _error: float = field(default=-1.0, repr=False)
+    _memo: dict[tuple[Split, TurnShape, float], TurnTime] = field(default_factory=dict, repr=False)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -127,6 +128,7 @@ class ProrsaPolicy(AllocatorPolicy):
 
     def plan(self, view: ClusterView) -> Plan | None:
         _check_view(view)
+        self._memo.clear()  # the capacity model's corrections change below
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
@@ -240,7 +242,12 @@ class ProrsaPolicy(AllocatorPolicy):
         return self._error
 
     def _turn(self, split: Split, shape: TurnShape, n: float) -> TurnTime:
-        return turn_time(split, shape, n, self.capacity, self.affinity_s)
+        """turn_time, memoised within a decision (candidates and transitions share splits and scenarios)."""
+        key = (split, shape, n)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = turn_time(split, shape, n, self.capacity, self.affinity_s)
+        return hit
 
     # -- what the view says -------------------------------------------------------------------------------------
 

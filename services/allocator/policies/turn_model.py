@@ -43,6 +43,7 @@ from services.runtime import perf_model as pm
 
 _ITERATIONS = 60  # fixed-point iterations; the damped update converges to < 0.1 % in ~30 on every profile
 _DAMPING = 0.5
+_TOLERANCE = 1e-4  # stop once R moves by less than this fraction between iterations
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +98,27 @@ def _decode_context(shape: TurnShape) -> float:
     return max(1.0, shape.context_tokens + shape.output_tokens / 2.0)
 
 
-def _decode_step_s(cap: CapacityModel, batch: float, ctx: float) -> float:
-    """Step time of one engine decoding `batch` (≥ 1, fractional: interpolated) sequences of `ctx` context."""
-    lo = max(1, math.floor(batch))
-    hi = lo + 1
-    p = cap.profile
-    t_lo = pm.decode_step_time_s(p, lo, round(lo * ctx))
-    t_hi = pm.decode_step_time_s(p, hi, round(hi * ctx))
-    return (t_lo + (batch - lo) * (t_hi - t_lo)) / cap.decode_correction
+class _DecodeStep:
+    """Step time of one engine decoding `batch` (≥ 1, fractional: interpolated between whole batches) sequences of
+    `ctx` context, from the performance model; the fixed-point iterations ask for the same batches again and again,
+    so whole-batch times are kept."""
+
+    __slots__ = ("cap", "ctx", "_t")
+
+    def __init__(self, cap: CapacityModel, ctx: float) -> None:
+        self.cap, self.ctx = cap, ctx
+        self._t: dict[int, float] = {}
+
+    def _whole(self, b: int) -> float:
+        t = self._t.get(b)
+        if t is None:
+            t = self._t[b] = pm.decode_step_time_s(self.cap.profile, b, round(b * self.ctx))
+        return t
+
+    def __call__(self, batch: float) -> float:
+        lo = max(1, math.floor(batch))
+        t_lo, t_hi = self._whole(lo), self._whole(lo + 1)
+        return (t_lo + (batch - lo) * (t_hi - t_lo)) / self.cap.decode_correction
 
 
 def _disaggregated(
@@ -118,6 +132,7 @@ def _disaggregated(
     handoff = pm.kv_transfer_time_s(p, round(shape.context_tokens))
     ctx = _decode_context(shape)
     limit = cap.decode_batch_limit(ctx)
+    step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
     shrink = (n - 1.0) / n  # Schweitzer: the queue an arrival sees, without itself
     q_p = q_d = 0.0
@@ -129,15 +144,17 @@ def _disaggregated(
     # Misses enter only once the queues have settled without them: the first iterations overshoot the turn
     # rate (no queue yet), and a miss rate taken from that overshoot would lock the solution on the congested
     # branch even where the uncongested one exists — the one a cluster that starts empty is on.
+    last = 0.0
+    settled = False  # phase 1 (no misses) has converged
     for i in range(2 * _ITERATIONS):
-        if i < _ITERATIONS // 2:
+        if not settled:
             miss = 0.0
         job_tokens = (1.0 - miss) * hit_uncached + miss * ctx_in
         s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
         r_p = s_prefill * (1.0 + q_p * shrink)
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
-        r_d = out * _decode_step_s(cap, running, ctx) * (seen / running)
+        r_d = out * step(running) * (seen / running)
         r = shape.tool_s + r_p + handoff + r_d
         x = n / r
         rho = min(x / n_prefill * s_prefill, 0.999)
@@ -146,6 +163,13 @@ def _disaggregated(
         miss += _DAMPING * (miss_new - miss)
         q_p += _DAMPING * (x / n_prefill * r_p - q_p)
         q_d += _DAMPING * (x / n_decode * r_d - q_d)
+        if abs(r - last) <= _TOLERANCE * r:
+            if settled:
+                break
+            settled = True
+        elif i >= _ITERATIONS:
+            settled = True
+        last = r
     return TurnTime(r, n / r, r_p, r_d, handoff, shape.tool_s)
 
 
@@ -160,15 +184,16 @@ def _colocated(n_mixed: int, shape: TurnShape, n: float, cap: CapacityModel) -> 
     stall = ranks * pm.prefill_compute_s(p, round(uncached), round(cached)) / cap.prefill_correction
     ctx = _decode_context(shape)
     limit = cap.decode_batch_limit(ctx)
+    step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
     shrink = (n - 1.0) / n
     q_p = q_d = 0.0
     r = r_p = r_d = 0.0
-    x = 0.0
+    x = last = 0.0
     for _ in range(_ITERATIONS):
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
-        t_decode = _decode_step_s(cap, running, ctx)
+        t_decode = step(running)
         s_prompt = stall + steps * t_decode  # time the prompt holds its rank
         t_mixed = t_decode + stall / steps  # one step that carries a chunk
         # Seidmann: a dp-server station ≈ one server dp times faster plus a delay of (dp − 1)/dp of the service.
@@ -183,6 +208,9 @@ def _colocated(n_mixed: int, shape: TurnShape, n: float, cap: CapacityModel) -> 
         x = x_new if x == 0.0 else x + _DAMPING * (x_new - x)
         q_p += _DAMPING * (x / n_mixed * r_p - q_p)
         q_d += _DAMPING * (x / n_mixed * r_d - q_d)
+        if abs(r - last) <= _TOLERANCE * r:
+            break
+        last = r
     return TurnTime(r, n / r, r_p, r_d, 0.0, shape.tool_s)
 
 
