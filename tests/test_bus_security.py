@@ -80,7 +80,7 @@ PUBLISH: dict[str, tuple[str, ...]] = {
 
 # subject → the users that may subscribe to it.
 SUBSCRIBE: dict[str, tuple[str, ...]] = {
-    "prorsa.lifecycle": ("forecaster", "allocator", "operator"),
+    "prorsa.lifecycle": ("trainer", "forecaster", "allocator", "operator"),
     "prorsa.events.engine-0": ("forecaster", "allocator", "operator"),
     "prorsa.work.prefill.any": ("operator",),
     "prorsa.stats.engine-0": ("trainer", "allocator", "operator"),

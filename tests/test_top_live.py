@@ -39,13 +39,26 @@ async def test_top_shows_a_running_cluster() -> None:
     with time_scale_set(10.0):
         system = System(SystemConfig(engines=2, extra_engine_args=["--stats-interval-s", "0.25"])).start()
         try:
-            replies = await wait_healthy(system.url, "prorsa", system.expected_services(), timeout_s=90)
+            replies = await wait_healthy(
+                system.url,
+                "prorsa",
+                system.expected_services(),
+                timeout_s=90,
+                credentials=system.credentials("operator"),
+            )
             assert len(replies) == len(system.expected_services())
-            client = await RolloutClient.connect(system.url)
+            client = await RolloutClient.connect(system.url, credentials=system.credentials("trainer"))
             driver = RolloutDriver(client, RolloutConfig(steps=1, training_s=1.0))
             console = recording()
             rollout = asyncio.create_task(driver.run([FixedWorkload(specs).step(0)]))
-            rc = await watch(system.url, "prorsa", console, for_s=8.0, interval_s=0.5)
+            rc = await watch(
+                system.url,
+                "prorsa",
+                console,
+                for_s=8.0,
+                interval_s=0.5,
+                credentials=system.credentials("operator"),
+            )
             assert not rollout.done()
             rollout.cancel()
             await asyncio.gather(rollout, return_exceptions=True)

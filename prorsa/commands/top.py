@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
+from services.runtime.credentials import BusCredentials
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,10 +61,12 @@ async def watch(
     for_s: float | None = None,
     interval_s: float = 1.0,
     probe_s: float = 1.5,
+    credentials: BusCredentials | None = None,
 ) -> int:
     """Watch the cluster at `url` until `for_s` seconds have passed (None: until interrupted). Returns the exit
     status: 0 after watching, 1 when nothing on the bus can be shown (the reason printed). Raises OSError /
-    ConnectionError when no server answers at `url`."""
+    ConnectionError when no server answers at `url`. `credentials`: whom to watch as (default: the PRORSA_NATS_*
+    environment's, e.g. `source DIR/operator.env` after `prorsa up`)."""
     import nats
     from nats.errors import NoServersError
     from rich.live import Live
@@ -78,8 +81,11 @@ async def watch(
     async def quiet(exc: Exception) -> None:  # connection trouble is reported by the caller, once
         return None
 
+    creds = credentials if credentials is not None else BusCredentials.from_env()
     try:
-        nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=3, error_cb=quiet)
+        nc = await nats.connect(
+            url, connect_timeout=2, max_reconnect_attempts=3, error_cb=quiet, **creds.connect_options()
+        )
     except NoServersError as exc:
         raise ConnectionError(str(exc)) from None
     state = TopState()

@@ -4,8 +4,9 @@ Each role of DESIGN.md principle 7 gets a NATS user with per-subject permissions
 else (a publish or subscribe outside the table is a "Permissions Violation" and never reaches anyone).
 
   role         publishes (ns = namespace)                               subscribes
-  trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.stats.*, ns.ack.*,
-               ns.policy.version, ns.health (requests), ns.errors       ns.forecast, ns.allocator.plan, ns.errors
+  trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
+               ns.policy.version, ns.health (requests), ns.errors       ns.ack.*, ns.forecast, ns.allocator.plan,
+                                                                        ns.errors
   engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health
                ns.work.{prefill,decode}.any (handoffs, hand-on),
                ns.reply.> (token streams), ns.errors
@@ -165,7 +166,17 @@ def _trainer(s: Subjects) -> _Grants:
     ns = s.namespace
     return _Grants(
         publish=[s.lifecycle, s.prefill_work_any, f"{ns}.work.prefill.engine.*", s.policy_version, s.health],
-        subscribe=[f"{ns}.reply.>", s.all_engine_stats, s.all_engine_acks, s.forecast, s.plan, s.errors],
+        # lifecycle: a trainer's rollout recorder reads the turns submitted (its own and its peers': the events say
+        # no more than the trainer already knows of its trajectories).
+        subscribe=[
+            f"{ns}.reply.>",
+            s.lifecycle,
+            s.all_engine_stats,
+            s.all_engine_acks,
+            s.forecast,
+            s.plan,
+            s.errors,
+        ],
     )
 
 

@@ -134,7 +134,7 @@ def _disaggregated(
     limit = cap.decode_batch_limit(ctx)
     step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
-    shrink = (n - 1.0) / n  # Schweitzer: the queue an arrival sees, without itself
+    shrink = max(0.0, (n - 1.0) / n)  # Schweitzer: the queue an arrival sees, without itself (none below one)
     q_p = q_d = 0.0
     miss = 0.0
     r = r_p = r_d = 0.0
@@ -186,7 +186,7 @@ def _colocated(n_mixed: int, shape: TurnShape, n: float, cap: CapacityModel) -> 
     limit = cap.decode_batch_limit(ctx)
     step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
-    shrink = (n - 1.0) / n
+    shrink = max(0.0, (n - 1.0) / n)
     q_p = q_d = 0.0
     r = r_p = r_d = 0.0
     x = last = 0.0
