@@ -157,9 +157,9 @@ def test_a_perfect_predictor_scores_zero() -> None:
 def test_ensemble_members_are_scored_as_standalone_predictors() -> None:
     """Scoring naive and lifecycle from inside the prorsa ensemble gives their standalone forecasts."""
     events = generate_events(SyntheticWorkload(trajectories=40, arrival_spread_s=10.0, seed=2))
-    shared = ForecastBank(("naive", "lifecycle", "prorsa"), horizons_s=(5.0, 10.0))
+    shared = ForecastBank(("naive", "lifecycle", "ensemble"), horizons_s=(5.0, 10.0))
     alone = ForecastBank(("naive", "lifecycle"), horizons_s=(5.0, 10.0))
-    assert set(shared.cores) == {"prorsa"}
+    assert set(shared.cores) == {"ensemble"}
     tracker = TrackerCore()
     nxt = 1.0
     for t, ev in events:

@@ -18,14 +18,14 @@ HORIZONS = (5.0, 10.0, 30.0)
 # and encode, they do not score accuracy. Refits run every 10 s of the stream.
 OPTIONS = {
     "lifecycle": {"paths": 128},
-    "prorsa": {
+    "ensemble": {
         "members": ("naive", "ewma", "lifecycle"),
         "member_options": {"lifecycle": {"paths": 128}},
     },
 }
 REFIT = {
     "lifecycle",
-    "prorsa",
+    "ensemble",
     "ets",
 }  # ARIMA is not refitted here (its unfitted forecasts still go on the wire)
 
@@ -86,7 +86,7 @@ def _quantiles(fc: DemandForecast) -> np.ndarray:
 
 
 def test_columns_and_snapshots_give_the_same_forecasts() -> None:
-    a, b = _run(("lifecycle", "prorsa"), seconds=32, pending_every=3)
+    a, b = _run(("lifecycle", "ensemble"), seconds=32, pending_every=3)
     assert len(a) == len(b) == 64
     assert any(_quantiles(f).sum() > 0 for f in a)
     for x, y in zip(a, b, strict=True):
@@ -141,7 +141,7 @@ def test_columns_with_unknown_states_and_unlisted_tasks() -> None:
     assert cols.time_in_state_s[1] == -2.0  # the caller's arrays are not modified
 
 
-@pytest.mark.parametrize("predictor", ["naive", "ewma", "ets", "arima", "lifecycle", "prorsa"])
+@pytest.mark.parametrize("predictor", ["naive", "ewma", "ets", "arima", "lifecycle", "ensemble"])
 def test_every_predictors_forecast_encodes(predictor: str) -> None:
     """numpy scalars (numpy.float64) reach no proto message: msgspec cannot encode them."""
     tracker = TrackerCore()

@@ -56,7 +56,7 @@ async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc
         await nc.publish(S.snapshot, proto.encode(snap))
         await _wait_for(lambda: len(forecasts) == 1)
         fc = forecasts[0]
-        assert fc.predictor == "prorsa" and fc.snapshot_ts_s == snap.ts_s
+        assert fc.predictor == "ensemble" and fc.snapshot_ts_s == snap.ts_s
         assert [h.horizon_s for h in fc.horizons] == [5.0, 10.0, 30.0]
         for h in fc.horizons:
             for q in (h.prefill_tokens, h.decode_tokens, h.decode_concurrency, h.kv_tokens):

@@ -1,4 +1,4 @@
-"""`python -m services.forecaster [--nats URL] [--predictor prorsa]`: run the forecaster alone."""
+"""`python -m services.forecaster [--nats URL] [--predictor ensemble]`: run the forecaster alone."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from services.runtime.main import run_service_main
 def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--predictor",
-        default="prorsa",
-        choices=("naive", "ewma", "ets", "arima", "lifecycle", "prorsa"),
-        help="which predictor's forecast to publish",
+        default="ensemble",
+        choices=("naive", "ewma", "ets", "arima", "lifecycle", "ensemble", "prorsa"),
+        help="which predictor's forecast to publish (prorsa: deprecated alias of ensemble)",
     )
     p.add_argument("--horizons-s", default="5,10,30", help="comma-separated forecast horizons in seconds")
     p.add_argument("--window-s", type=float, default=1.0, help="width of the demand series' windows")

@@ -13,6 +13,7 @@ thread, whose result `install()` adopts on the caller's thread; `refit(now)` doe
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -162,10 +163,26 @@ def register(name: str) -> Callable[[Factory], Factory]:
     return deco
 
 
+# Deprecated names -> registered names. `prorsa` was the ensemble's name, the same as the allocator policy's, so
+# "prorsa with prorsa" was ambiguous in flags and reports; it keeps working for old command lines and configs.
+ALIASES: dict[str, str] = {"prorsa": "ensemble"}
+
+
+def resolve_name(name: str) -> str:
+    """The registered name for `name` (a deprecated alias warns once per call site)."""
+    new = ALIASES.get(name)
+    if new is None:
+        return name
+    warnings.warn(f"predictor {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+    return new
+
+
 def make_predictor(name: str, **options: Any) -> Predictor:
-    """Build a registered predictor. Raises KeyError naming the known predictors for an unknown name."""
+    """Build a registered predictor (or a deprecated alias of one). Raises KeyError naming the known predictors
+    for an unknown name."""
     import services.forecaster.predictors  # noqa: F401 - registers every predictor
 
+    name = resolve_name(name)
     try:
         factory = REGISTRY[name]
     except KeyError:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proto import DemandForecast, LifecycleSnapshot
-from services.forecaster.base import Predictor, make_predictor
+from services.forecaster.base import Predictor, make_predictor, resolve_name
 from services.forecaster.distributions import Distributions
 from services.forecaster.learner import EventLearner
 from services.forecaster.picture import (
@@ -40,7 +40,7 @@ from services.forecaster.series import HORIZONS_S, SeriesPoint, Windower
 class ForecasterCore:
     def __init__(
         self,
-        predictor: str | Predictor = "prorsa",
+        predictor: str | Predictor = "ensemble",
         horizons_s: Sequence[float] = HORIZONS_S,
         window_s: float = 1.0,
         refit_interval_s: float = 30.0,
@@ -56,7 +56,8 @@ class ForecasterCore:
             self.predictor = predictor
         else:
             opts = dict(predictor_options or {})
-            if predictor in ("lifecycle", "prorsa"):
+            predictor = resolve_name(predictor)
+            if predictor in ("lifecycle", "ensemble"):
                 opts.setdefault("seed", seed)
             self.predictor = make_predictor(predictor, horizons_s=self.horizons_s, window_s=window_s, **opts)
         self.distributions = Distributions(capacity=sample_capacity)

@@ -1,4 +1,5 @@
-"""`prorsa`: an ensemble that follows whichever members have been accurate lately, per metric and horizon.
+"""`ensemble` (formerly registered as `prorsa`, the allocator policy's name; that alias still works with a
+DeprecationWarning): an ensemble that follows whichever members have been accurate lately, per metric and horizon.
 
 Weights come from exponentially weighted averaging (Hedge): w_j ∝ exp(-eta * L_j), where L_j is member j's
 discounted cumulative loss on matured forecasts. A forecast issued at t for horizon h matures once the series
@@ -40,9 +41,9 @@ from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint, realise
 DEFAULT_MEMBERS: tuple[str, ...] = ("naive", "ewma", "ets", "arima", "lifecycle")
 
 
-@register("prorsa")
+@register("ensemble")
 class EnsemblePredictor(Predictor):
-    name = "prorsa"
+    name = "ensemble"
 
     def __init__(
         self,

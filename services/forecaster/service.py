@@ -37,7 +37,7 @@ class ForecasterService(Service):
         namespace: str = "prorsa",
         instance_id: str | None = None,
         metrics_port: int | None = None,
-        predictor: str = "prorsa",
+        predictor: str = "ensemble",
         horizons_s: Sequence[float] = HORIZONS_S,
         window_s: float = 1.0,
         refit_interval_s: float = 30.0,
