@@ -94,6 +94,7 @@ class EventLearner:
             if r is not None:
                 r.output_tokens = 0  # the retry (same request id) generates again
         elif isinstance(event, TrajectoryStarted):
+            self.distributions.steps.started(event.traj_id, event.policy_version, now)
             if event.traj_id not in self._trajs:
                 _bounded_put(self._trajs, event.traj_id, _Traj(event.task, now), self.max_tracked)
         elif isinstance(event, TrajectoryFinished):
@@ -121,6 +122,8 @@ class EventLearner:
         d = self.distributions
         if first and t.started_s is not None:
             d.add(t.task, "queue_wait_s", now - t.started_s)
+        if first and ev.turn == 0:
+            d.steps.first_turn(ev.traj_id, new, t.task, now)
         if not first:
             d.add(t.task, "new_tokens", new, turn=t.last_turn)  # filed under the turn it follows
         if t.gap_start_s is not None:
@@ -178,6 +181,7 @@ class EventLearner:
                 self.distributions.add_decode_rate((ev.output_tokens - g0) / (now - t0))
 
     def _finished(self, ev: TrajectoryFinished, now: float) -> None:
+        self.distributions.steps.finished(ev.traj_id, now)
         t = self._trajs.pop(ev.traj_id, None)
         if t is None:
             return
