@@ -236,13 +236,21 @@ def test_cli_writes_the_json_shape_in_seconds(tmp_path, capsys) -> None:
     data = json.loads(out.read_text())
     assert data["horizon_s"] == 7.0
     assert list(data["predictors"]) == ["naive", "ewma", "lifecycle"]
-    for row in data["predictors"].values():
-        assert set(row) == {"prefill_wape", "decode_wape", "coverage90"}
-        assert all(isinstance(v, float) for v in row.values())
+    printed = capsys.readouterr().out
+    for name, row in data["predictors"].items():
+        # every figure the table prints, coverage80 included
+        assert {"prefill_wape", "decode_wape", "coverage90", "coverage80"} <= set(row)
+        assert {"prefill_wape_vs_naive", "decode_wape_vs_naive", "prefill_wape_vs_arima"} <= set(row)
+        assert row["prefill_wape_vs_arima"] is None  # arima not evaluated: JSON null, table "-"
+        assert row["prefill_wape_vs_naive"] == pytest.approx(
+            row["prefill_wape"] / data["predictors"]["naive"]["prefill_wape"]
+        )
+        assert isinstance(row["forecasts"], int)
+        assert all(isinstance(row[k], float) for k in ("prefill_wape", "decode_wape", "coverage80"))
+        assert f"{row['coverage80']:.3f}" in printed and name in printed
     assert set(data["horizons"]) == {"5", "7", "10", "30"}
     assert data["run"]["trajectories_completed"] == data["run"]["tracker_finished"]
     assert data["run"]["scored_until_s"] <= 120.0
-    printed = capsys.readouterr().out
     assert "lifecycle" in printed and "horizon 30 s" in printed
 
 

@@ -123,8 +123,8 @@ def test_columns_with_unknown_states_and_unlisted_tasks() -> None:
         traj_ids=np.array(["x", "y", "z", "w"], dtype=object),
         task=np.array([2, 1, 0, 2], dtype=np.int32),
         state=np.array([2, 3, 4, 0], dtype=np.int8),
-        time_in_state_s=np.array([1.0, -2.0, 3.0, np.inf]),
-        turn=np.array([1, 2, 3, -1]),
+        time_in_state_s=np.array([1.0, 2.0, 3.0, 4.0]),
+        turn=np.array([1, 2, 3, 0]),
         context_tokens=np.array([10, 20, 30, 40]),
         generated_this_turn=np.array([5, 0, 0, 0]),
         policy_version=np.zeros(4, dtype=np.int64),
@@ -137,8 +137,8 @@ def test_columns_with_unknown_states_and_unlisted_tasks() -> None:
     pic = build_picture_columns(cols)
     assert pic.task_names == ("a", "b") and pic.task.tolist() == [0, 1, 0]
     assert pic.state.tolist() == [2, 3, 0] and pic.traj_ids == ["x", "y", "w"]
-    assert pic.time_in_state_s.tolist() == [1.0, 0.0, 0.0] and pic.turn.tolist() == [1, 2, 0]
-    assert cols.time_in_state_s[1] == -2.0  # the caller's arrays are not modified
+    assert pic.time_in_state_s.tolist() == [1.0, 2.0, 4.0] and pic.turn.tolist() == [1, 2, 0]
+    assert not pic.rejected
 
 
 @pytest.mark.parametrize("predictor", ["naive", "ewma", "ets", "arima", "lifecycle", "ensemble"])
