@@ -19,6 +19,12 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-s", type=float, default=1.0, help="width of the demand series' windows")
     p.add_argument("--refit-interval-s", type=float, default=30.0, help="seconds between model refits")
     p.add_argument("--seed", type=int, default=0, help="seed of the lifecycle model's Monte Carlo")
+    p.add_argument(
+        "--forecast-interval-s",
+        type=float,
+        default=5.0,
+        help="seconds between published forecasts (the allocator's cadence; 0: one per snapshot)",
+    )
 
 
 def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterService:
@@ -32,6 +38,7 @@ def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterServi
         window_s=args.window_s,
         refit_interval_s=args.refit_interval_s,
         seed=args.seed,
+        forecast_interval_s=args.forecast_interval_s,
     )
 
 
