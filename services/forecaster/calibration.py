@@ -45,7 +45,7 @@ class Calibrator:
         horizons_s: Sequence[float],
         window_s: float,
         alpha: float = 0.1,
-        gamma: float = 0.01,
+        gamma: float = 0.02,
         window: int = 400,
         min_scores: int = 20,
         scale_floor: float = 0.05,
@@ -103,7 +103,7 @@ class Calibrator:
             for side, miss in ((0, y > cal[i, j, 1] + tol), (1, y < cal[i, j, 0] - tol)):
                 self.misses[side, i, j] += int(miss)
                 b = self.level[side, i, j] + self.gamma * (self.alpha - float(miss))
-                self.level[side, i, j] = min(max(b, 1e-3), 0.5)
+                self.level[side, i, j] = min(max(b, 1e-3), 0.9)
         self._offsets = None
 
     # --- output -----------------------------------------------------------------------------------------------

@@ -1,5 +1,27 @@
 """`lifecycle`: demand from the tracker's per-trajectory picture and the learned lifecycle distributions.
 
+What it knows, and where from. Everything about a task — turn counts, tool (gap) times, output lengths, new tokens
+per turn, prefill and queue waits, the decode rate — is learnt online from this run's own lifecycle events
+(`learner.py`, `distributions.py`), per task and turn bucket, falling back to the run's pooled samples. Nothing
+is fitted offline to a trace. The priors, used only until the run has observed a kind, are stand-ins of the
+right order and no more (`lifecycle_model.PRIORS`: a 1 s gap, 256 tokens in and out per turn, 30 tokens/s), and
+are replaced as soon as one sample of that kind exists. What no series model has is the structure, one piece
+per term:
+  term              structural knowledge it uses
+  tool_call         a trajectory in a tool call returns (or ends) with a prompt whose context is known: the
+                    tracker's context plus the new tokens of a turn; when, from the gap's conditional survival
+                    given the time already spent; whether, from the turn-count hazard and that time;
+  decode            a decoding trajectory ends its output and comes back after a gap: its remaining tokens given
+                    the ones already generated, then the continuation table;
+  prefill / queued  a submitted prompt is decoded next; a queued first turn arrives with its whole context;
+  pending hints     the driver knows when the first prompts of a step it submitted arrive (`PendingArrival`);
+  next step         the next step's first prompts come a training time after the run drained, with the last
+                    step's first-prompt profile (`steps.py`; learnt from this run's step boundaries, no prior);
+  GRPO groups       a group's samples share one first prompt: they appear as equal prompts at equal offsets in
+                    the hints and the step profile (no term of its own: the prompt is counted once per sample,
+                    as the demand definition does).
+q10/q90 are recalibrated online on this predictor's own matured forecasts (`calibration.py`).
+
 Each live trajectory contributes according to its state and progress (see `lifecycle_tables.py` for the model):
   tool_call  returns within h with P(D <= s + h | D > s) from the task's empirical gap distribution (s = time
              already spent), bringing N new prompt tokens, then decodes, and may come back again within h;
