@@ -382,7 +382,7 @@ class HorizonForecast(msgspec.Struct, frozen=True, kw_only=True):
 
 class DemandForecast(Message, frozen=True, kw_only=True):
     ts_s: float
-    predictor: str  # "naive" | "ewma" | "ets" | "arima" | "lifecycle" | "prorsa"
+    predictor: str  # "naive" | "ewma" | "ets" | "arima" | "lifecycle" | "ensemble"
     horizons: list[HorizonForecast]
     snapshot_ts_s: float = 0.0
 

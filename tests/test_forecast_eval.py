@@ -157,9 +157,9 @@ def test_a_perfect_predictor_scores_zero() -> None:
 def test_ensemble_members_are_scored_as_standalone_predictors() -> None:
     """Scoring naive and lifecycle from inside the prorsa ensemble gives their standalone forecasts."""
     events = generate_events(SyntheticWorkload(trajectories=40, arrival_spread_s=10.0, seed=2))
-    shared = ForecastBank(("naive", "lifecycle", "prorsa"), horizons_s=(5.0, 10.0))
+    shared = ForecastBank(("naive", "lifecycle", "ensemble"), horizons_s=(5.0, 10.0))
     alone = ForecastBank(("naive", "lifecycle"), horizons_s=(5.0, 10.0))
-    assert set(shared.cores) == {"prorsa"}
+    assert set(shared.cores) == {"ensemble"}
     tracker = TrackerCore()
     nxt = 1.0
     for t, ev in events:
@@ -236,13 +236,21 @@ def test_cli_writes_the_json_shape_in_seconds(tmp_path, capsys) -> None:
     data = json.loads(out.read_text())
     assert data["horizon_s"] == 7.0
     assert list(data["predictors"]) == ["naive", "ewma", "lifecycle"]
-    for row in data["predictors"].values():
-        assert set(row) == {"prefill_wape", "decode_wape", "coverage90"}
-        assert all(isinstance(v, float) for v in row.values())
+    printed = capsys.readouterr().out
+    for name, row in data["predictors"].items():
+        # every figure the table prints, coverage80 included
+        assert {"prefill_wape", "decode_wape", "coverage90", "coverage80"} <= set(row)
+        assert {"prefill_wape_vs_naive", "decode_wape_vs_naive", "prefill_wape_vs_arima"} <= set(row)
+        assert row["prefill_wape_vs_arima"] is None  # arima not evaluated: JSON null, table "-"
+        assert row["prefill_wape_vs_naive"] == pytest.approx(
+            row["prefill_wape"] / data["predictors"]["naive"]["prefill_wape"]
+        )
+        assert isinstance(row["forecasts"], int)
+        assert all(isinstance(row[k], float) for k in ("prefill_wape", "decode_wape", "coverage80"))
+        assert f"{row['coverage80']:.3f}" in printed and name in printed
     assert set(data["horizons"]) == {"5", "7", "10", "30"}
     assert data["run"]["trajectories_completed"] == data["run"]["tracker_finished"]
     assert data["run"]["scored_until_s"] <= 120.0
-    printed = capsys.readouterr().out
     assert "lifecycle" in printed and "horizon 30 s" in printed
 
 

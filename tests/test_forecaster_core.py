@@ -61,7 +61,7 @@ def test_core_modules_import_no_io_clock_or_random() -> None:
 
 def test_registry_names() -> None:
     make_predictor("naive")
-    assert set(REGISTRY) == {"naive", "ewma", "ets", "arima", "lifecycle", "prorsa"}
+    assert set(REGISTRY) == {"naive", "ewma", "ets", "arima", "lifecycle", "ensemble"}
     with pytest.raises(KeyError, match="unknown predictor 'nope'.*naive"):
         make_predictor("nope")
 
@@ -250,7 +250,7 @@ def test_every_predictor_returns_ordered_non_negative_quantiles_for_every_horizo
             "lifecycle": {"paths": 512},
         }
     }
-    core = ForecasterCore("prorsa", horizons_s=HORIZONS, predictor_options={**opts, "seed": 1})
+    core = ForecasterCore("ensemble", horizons_s=HORIZONS, predictor_options={**opts, "seed": 1})
     events = generate_events(SyntheticWorkload(trajectories=50, arrival_spread_s=20.0, seed=7))
     _drive(core, events, until_s=45.0)
     core.refit(45.0)

@@ -1,4 +1,4 @@
-"""The prorsa ensemble: never worse than its best member on average, follows a change of best member."""
+"""The ensemble predictor: never worse than its best member on average, follows a change of best member."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _run(ens: EnsemblePredictor, truth, n: int, seed: int = 0, skip: int = 0) ->
         p = SeriesPoint(t, 1.0, x, x, x, x)
         pts.append(p)
         ens.observe(p, t)
-        forecasts = {"prorsa": ens.predict(t)} | {f"m{k}": m.predict(t) for k, m in enumerate(ens.members)}
+        forecasts = {"ensemble": ens.predict(t)} | {f"m{k}": m.predict(t) for k, m in enumerate(ens.members)}
         issued.append((t, forecasts))
     errors: dict[str, list[list[float]]] = {}
     for t, forecasts in issued[skip:]:
@@ -78,7 +78,7 @@ def test_not_worse_than_its_best_member_on_average(skip: int, tolerance: float) 
     ens = EnsemblePredictor(H, members=members)
     err = _run(ens, truth, 400, skip=skip)
     best = np.min([err[f"m{k}"] for k in range(len(members))], axis=0)
-    assert (err["prorsa"] <= tolerance * best).all(), (err, best)
+    assert (err["ensemble"] <= tolerance * best).all(), (err, best)
     w = ens.weights()[0]  # prefill, per horizon
     assert (w[:, 0] > 0.9).all()
 
@@ -89,7 +89,7 @@ def test_follows_a_change_of_best_member() -> None:
     b = Stub(lambda t: 1500.0, seed=2)  # wrong before, right after
     ens = EnsemblePredictor(H, members=[a, b])
     err = _run(ens, truth, 400)
-    assert (err["prorsa"] < 0.6 * np.minimum(err["m0"], err["m1"])).all(), err
+    assert (err["ensemble"] < 0.6 * np.minimum(err["m0"], err["m1"])).all(), err
     assert ens.weights()[0, 0, 1] > 0.99
 
 

@@ -56,7 +56,7 @@ async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc
         await nc.publish(S.snapshot, proto.encode(snap))
         await _wait_for(lambda: len(forecasts) == 1)
         fc = forecasts[0]
-        assert fc.predictor == "prorsa" and fc.snapshot_ts_s == snap.ts_s
+        assert fc.predictor == "ensemble" and fc.snapshot_ts_s == snap.ts_s
         assert [h.horizon_s for h in fc.horizons] == [5.0, 10.0, 30.0]
         for h in fc.horizons:
             for q in (h.prefill_tokens, h.decode_tokens, h.decode_concurrency, h.kv_tokens):
@@ -65,9 +65,12 @@ async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc
         assert svc.metrics.error_counts.get("decode", 0) == 1
         # the first snapshot made a refit due; it ran on a worker thread and was installed
         await _wait_for(lambda: svc.refits == 1)
+        # on the allocator's cadence: a snapshot 1 s later is observed but not forecast, one 5 s later is
         await nc.publish(S.snapshot, proto.encode(tracker.snapshot(snap.ts_s + 1.0)))
+        await _wait_for(lambda: svc.snapshots_without_forecast == 1)
+        await nc.publish(S.snapshot, proto.encode(tracker.snapshot(snap.ts_s + 5.0)))
         await _wait_for(lambda: len(forecasts) == 2)
-        assert svc.health_details()["forecasts"] == 2
+        assert svc.health_details()["forecasts"] == 2 and svc.core.snapshots == 3
     finally:
         await svc.stop()
 
@@ -75,7 +78,9 @@ async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc
 async def test_published_forecasts_encode_after_a_real_snapshot(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
     """The series predictors compute with numpy: before the wire boundary converted their numpy.float64 values,
     msgspec refused to encode the forecast and nothing was published (the TypeError under `prorsa up`)."""
-    svc = ForecasterService(nats_server.url, predictor="naive", horizons_s=(5.0, 10.0))
+    svc = ForecasterService(
+        nats_server.url, predictor="naive", horizons_s=(5.0, 10.0), forecast_interval_s=0.0
+    )
     await svc.start()
     forecasts = await _collect_forecasts(nc)
     try:

@@ -116,7 +116,7 @@ def warm_forecaster(predictor: str) -> ForecasterCore:
 def _options(predictor: str) -> dict:
     return (
         {"member_options": {"ets": {"fit_points": 120}, "arima": {"fit_points": 120}}}
-        if predictor == "prorsa"
+        if predictor == "ensemble"
         else {}
     )
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
     report(f"tracker core: {n} events in {dt:.2f} s = {n / dt:,.0f} events/s (target >= 50,000)")
     paths = (("columns", True),) if args.no_objects else (("columns", True), ("objects", False))
     for path, columns in paths:
-        for name in ("lifecycle", "prorsa"):
+        for name in ("lifecycle", "ensemble"):
             ms = bench_tick(name, args.live, args.ticks, columns)
             key = name if columns else f"{name}_objects"
             figures[f"{key}_tick_p50_ms"] = float(np.percentile(ms["total"], 50))

@@ -1,8 +1,11 @@
 """`prorsa forecast-eval`: simulate one workload, let every demand predictor forecast it live, score them.
 
-Prints a table (predictor x prefill WAPE, decode WAPE, coverage) for `--horizon`, or for every evaluated horizon
-with `--all-horizons`; `--json FILE` writes `{"horizon_s": H, "predictors": {name: {prefill_wape, decode_wape,
-coverage90}}, "horizons": {...every horizon, every score...}, "run": {...}}`. See prorsa/forecast_eval/.
+Prints a table (predictor x prefill / decode WAPE, their ratio to naive's and arima's, coverage90, coverage80) for
+`--horizon`, or for every evaluated horizon with `--all-horizons`; `--split dev|report` evaluates one half of the
+workload's instances (prorsa/forecast_eval/split.py); `--value` adds the allocator's average trajectory time and
+rollout time planned on each predictor vs naive vs the truth (value.py). `--json FILE` writes `{"horizon_s": H,
+"predictors": {name: every figure of the table}, "horizons": {...every horizon, every score...}, "value": {name:
+{avg_trajectory_s, rollout_s, role_switches, capture_*}} (with --value), "run": {...}}`. See prorsa/forecast_eval/.
 
 Cheap to import (the main CLI builds every subcommand's parser): the simulator, the forecasters and rich load in
 `run`.
@@ -11,12 +14,14 @@ Cheap to import (the main CLI builds every subcommand's parser): the simulator, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
 
 from prorsa.forecast_eval.bank import PREDICTORS
 from prorsa.forecast_eval.hints import HINT_MODES
+from prorsa.forecast_eval.split import SPLITS
 from prorsa.sim.driver import MODES
 
 if TYPE_CHECKING:
@@ -61,6 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="upcoming first turns passed to the forecasters (see prorsa/forecast_eval/hints.py)",
     )
     parser.add_argument("--refit-interval", type=float, default=30.0, help="forecaster refit interval (s)")
+    parser.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="all",
+        help="half of the workload's instances: dev (first half) or report (second half); see split.py",
+    )
+    parser.add_argument(
+        "--value",
+        action="store_true",
+        help="also simulate the allocator planning on each predictor, on naive and on the truth",
+    )
+    parser.add_argument("--value-policy", default="prorsa", help="allocator policy spec of the --value runs")
+    parser.add_argument(
+        "--value-predictors",
+        default=None,
+        help="comma-separated predictors of the --value runs (default: those of --predictors)",
+    )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the scores as JSON")
 
 
@@ -71,16 +93,18 @@ def _fmt(x: float | None) -> str:
 def score_table(result: EvalResult, horizon_s: float) -> Table:
     from rich.table import Table
 
-    j = result.options.horizons_s.index(float(horizon_s))
     cfg = result.config
+    split = "" if result.options.split == "all" else f" ({result.options.split} half)"
     table = Table(
-        title=f"prorsa forecast-eval · {cfg.echo()['workload']} · {cfg.mode} · {cfg.engines} × {cfg.policy} · "
-        f"horizon {horizon_s:g} s"
+        title=f"prorsa forecast-eval · {cfg.echo()['workload']}{split} · {cfg.mode} · {cfg.engines} × "
+        f"{cfg.policy} · horizon {horizon_s:g} s"
     )
     table.add_column("predictor")
-    for name in ("prefill WAPE", "decode WAPE", "coverage90", "coverage80"):
+    for name in ("prefill WAPE", "decode WAPE", "prefill ×naive", "decode ×naive", "prefill ×arima"):
         table.add_column(name, justify="right")
-    rows = {name: scores[j] for name, scores in result.scores.items()}
+    for name in ("coverage90", "coverage80"):
+        table.add_column(name, justify="right")
+    rows = result.summary(horizon_s)
     best = {
         m: min((r[m] for r in rows.values() if r[m] == r[m]), default=None)
         for m in ("prefill_wape", "decode_wape")
@@ -88,11 +112,36 @@ def score_table(result: EvalResult, horizon_s: float) -> Table:
     for name, r in rows.items():
         cells = [_fmt(r["prefill_wape"]), _fmt(r["decode_wape"])]
         cells = [f"[bold]{c}[/bold]" if r[m] == best[m] else c for c, m in zip(cells, best, strict=True)]
-        table.add_row(name, *cells, _fmt(r["coverage90"]), _fmt(r["coverage80"]))
+        ratios = [
+            _fmt(r[k]) for k in ("prefill_wape_vs_naive", "decode_wape_vs_naive", "prefill_wape_vs_arima")
+        ]
+        table.add_row(name, *cells, *ratios, _fmt(r["coverage90"]), _fmt(r["coverage80"]))
     n = rows[next(iter(rows))]["forecasts"]
     table.caption = (
         f"{n} forecasts scored (one per {result.options.window_s:g} s, horizon inside the run). coverage90: share of "
         "actuals <= q90 (nominal 0.90); coverage80: share within q10..q90 (nominal 0.80); prefill and decode averaged"
+    )
+    return table
+
+
+def value_table(rows: dict[str, dict[str, Any]], policy: str) -> Table:
+    from rich.table import Table
+
+    table = Table(title=f"allocator value · policy {policy} planned on each predictor")
+    table.add_column("forecaster")
+    for name in ("avg trajectory s", "rollout s", "role switches", "capture (avg traj)", "capture (rollout)"):
+        table.add_column(name, justify="right")
+    for name, r in rows.items():
+        table.add_row(
+            name,
+            f"{r['avg_trajectory_s']:.1f}",
+            f"{r['rollout_s']:.1f}",
+            str(r["role_switches"]),
+            _fmt(r["capture_avg_trajectory_s"]),
+            _fmt(r["capture_rollout_s"]),
+        )
+    table.caption = (
+        "capture = (naive - predictor) / (naive - truth): the share of the truth's gain over naive"
     )
     return table
 
@@ -132,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
             hints=args.hints,
             refit_interval_s=args.refit_interval,
             seed=args.seed,
+            split=args.split,
         )
         total = config.steps * config.batch_size if config.steps else None
         columns = (
@@ -148,13 +198,34 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, completed=finished, t=t)
 
             result = run_forecast_eval(config, options, on_tick=on_tick)
+            value = None
+            if args.value:
+                from prorsa.forecast_eval.split import split_workload
+                from prorsa.forecast_eval.value import predictor_value
+
+                names = args.value_predictors or args.predictors
+                value_names = [p.strip() for p in names.split(",") if p.strip()]
+                workload = split_workload(
+                    config.workload,  # type: ignore[arg-type]
+                    args.split,
+                    batch_size=config.batch_size,
+                    group_size=config.group_size,
+                    seed=config.seed,
+                )
+                progress.update(task, description="value runs")
+                held = dataclasses.replace(config, workload=workload)
+                value = predictor_value(held, value_names, args.value_policy)
     except (ValueError, KeyError, WorkloadError, PolicyError) as exc:
         print(f"prorsa forecast-eval: {exc}", file=sys.stderr)
         return 2
-    out = Console()
+    out = Console(width=None if sys.stdout.isatty() else 150)  # piped: room for every column
     for h in options.horizons_s if args.all_horizons else (float(args.horizon),):
         out.print(score_table(result, h))
+    if value is not None:
+        out.print(value_table(value, args.value_policy))
     data: dict[str, Any] = result.to_json(float(args.horizon))
+    if value is not None:
+        data = {**data, "value": value, "run": {**data["run"], "value_policy": args.value_policy}}
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(data, f, indent=1)

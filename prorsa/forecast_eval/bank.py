@@ -1,7 +1,7 @@
 """ForecastBank: every predictor under evaluation, fed the same events and snapshots, asked at the same ticks.
 
-The `prorsa` ensemble runs its members (naive, ewma, ets, arima, lifecycle) on exactly the inputs a standalone
-core would give them, and refits them all on its core's schedule. So when `prorsa` is evaluated, its members are
+The `ensemble` runs its members (`ensemble.DEFAULT_MEMBERS`) on exactly the inputs a standalone
+core would give them, and refits them all on its core's schedule. So when `ensemble` is evaluated, its members are
 scored from inside it (`EnsemblePredictor.member_forecasts`) instead of running a second copy of each: one event
 learner, one statsmodels refit per schedule, the same forecasts. A requested predictor that is not a member, and
 any injected predictor instance, gets a `ForecasterCore` of its own. Refits run synchronously on each core's
@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from proto import LifecycleSnapshot
-from services.forecaster.base import MetricForecast, Predictor, clean_triple, make_predictor
+from services.forecaster.base import MetricForecast, Predictor, clean_triple, make_predictor, resolve_name
 from services.forecaster.core import ForecasterCore
 from services.forecaster.ensemble import DEFAULT_MEMBERS, EnsemblePredictor
 from services.forecaster.picture import PendingArrival
 
-PREDICTORS: tuple[str, ...] = ("naive", "ewma", "ets", "arima", "lifecycle", "prorsa")
+PREDICTORS: tuple[str, ...] = ("naive", "ewma", "ets", "arima", "lifecycle", "ensemble")
 SCORED_METRICS: tuple[str, ...] = ("prefill_tokens", "decode_tokens")
 
 
@@ -39,18 +39,19 @@ class ForecastBank:
         extra: dict[str, Predictor] | None = None,
     ) -> None:
         self.horizons_s = tuple(float(h) for h in horizons_s)
+        names = [resolve_name(n) for n in names]  # `prorsa` (deprecated) is the ensemble
         self.names = list(dict.fromkeys([*names, *(extra or {})]))
         kw: dict[str, Any] = {"horizons_s": self.horizons_s, "window_s": window_s}
         self.cores: dict[str, ForecasterCore] = {}  # core name -> core
         self._members: dict[str, str] = {}  # member name -> core of the ensemble that runs it
-        if "prorsa" in names:
+        if "ensemble" in names:
             members = [
                 make_predictor(m, **kw, **({"seed": seed} if m == "lifecycle" else {}))
                 for m in DEFAULT_MEMBERS
             ]
             ens = EnsemblePredictor(members=members, seed=seed, **kw)
-            self.cores["prorsa"] = ForecasterCore(ens, refit_interval_s=refit_interval_s, seed=seed, **kw)
-            self._members = {m: "prorsa" for m in DEFAULT_MEMBERS if m in names}
+            self.cores["ensemble"] = ForecasterCore(ens, refit_interval_s=refit_interval_s, seed=seed, **kw)
+            self._members = {m: "ensemble" for m in DEFAULT_MEMBERS if m in names}
         for name in names:
             if name not in self.cores and name not in self._members:
                 self.cores[name] = ForecasterCore(name, refit_interval_s=refit_interval_s, seed=seed, **kw)

@@ -27,6 +27,7 @@ from prorsa.forecast_eval.bank import PREDICTORS, SCORED_METRICS, ForecastBank
 from prorsa.forecast_eval.bridge import SimBridge
 from prorsa.forecast_eval.hints import ArrivalSchedule, RecordingWorkload
 from prorsa.forecast_eval.scoring import score
+from prorsa.forecast_eval.split import split_workload
 from prorsa.sim.runner import SimConfig, SimResult, run_simulation
 from services.forecaster.base import Predictor
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore
@@ -44,6 +45,7 @@ class EvalOptions:
     refit_interval_s: float = 30.0
     hints: str = "started"  # see hints.py: none | started | schedule
     seed: int = 0  # forecaster seed (the lifecycle model's Monte Carlo)
+    split: str = "all"  # the half of the workload's instances evaluated (split.py): all | dev | report
 
 
 @dataclass
@@ -65,10 +67,17 @@ class EvalResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self, horizon_s: float) -> dict[str, dict[str, float]]:
-        """name -> {prefill_wape, decode_wape, coverage90} at `horizon_s` (one of the options' horizons)."""
+        """name -> every figure the table prints at `horizon_s` (one of the options' horizons): WAPEs, their
+        ratios to naive's and arima's (when those were evaluated), coverage90 and coverage80 (pooled and per
+        metric), and the number of forecasts scored."""
         j = self.options.horizons_s.index(float(horizon_s))
-        keys = ("prefill_wape", "decode_wape", "coverage90")
-        return {name: {k: rows[j][k] for k in keys} for name, rows in self.scores.items()}
+        rows = {name: dict(scores[j]) for name, scores in self.scores.items()}
+        for row in rows.values():
+            for ref in ("naive", "arima"):
+                for m in ("prefill", "decode"):
+                    den = rows[ref][f"{m}_wape"] if ref in rows else math.nan
+                    row[f"{m}_wape_vs_{ref}"] = row[f"{m}_wape"] / den if den and den == den else math.nan
+        return rows
 
     def to_json(self, horizon_s: float) -> dict[str, Any]:
         m = self.sim.sim.metrics
@@ -81,6 +90,7 @@ class EvalResult:
             },
             "run": {
                 "config": self.config.echo(),
+                "split": self.options.split,
                 "hints": self.options.hints,
                 "window_s": self.options.window_s,
                 "refit_interval_s": self.options.refit_interval_s,
@@ -158,14 +168,18 @@ class _Evaluator:
             self.on_tick(t, self.tracker.totals["finished"])
 
 
-def _load(config: SimConfig) -> RecordingWorkload:
+def _load(config: SimConfig, split: str = "all") -> RecordingWorkload:
     if isinstance(config.workload, str):
-        from prorsa.workload.spec import load_workload
-
-        inner = load_workload(
-            config.workload, batch_size=config.batch_size, group_size=config.group_size, seed=config.seed
+        inner = split_workload(
+            config.workload,
+            split,
+            batch_size=config.batch_size,
+            group_size=config.group_size,
+            seed=config.seed,
         )
         return RecordingWorkload(inner)
+    if split != "all":
+        raise ValueError("a split applies to a workload spec, not to a workload object")
     return RecordingWorkload(config.workload)
 
 
@@ -181,7 +195,7 @@ def run_forecast_eval(
     each tick with its virtual time and the trajectories finished so far. Raises what `run_simulation` raises
     on a bad configuration (ValueError, WorkloadError, PolicyError)."""
     opts = options or EvalOptions()
-    workload = _load(config)
+    workload = _load(config, opts.split)
     schedule = ArrivalSchedule(
         workload, opts.hints, sync=config.mode == "sync", training_s=config.training_s, steps=config.steps
     )

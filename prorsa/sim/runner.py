@@ -43,9 +43,9 @@ class SimConfig:
     affinity_overload_s: float = (
         2.0  # queued prefill seconds above which a trajectory leaves its affine engine
     )
-    # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, prorsa);
+    # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, ensemble);
     # used only by policies that read forecasts (`AllocatorPolicy.uses_forecast`).
-    forecaster: str = "prorsa"
+    forecaster: str = "ensemble"
     # Prompts longer than this end their trajectory (the engines reject them; the live driver does the same).
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     observer: SimObserver | None = field(default=None, compare=False)

@@ -79,8 +79,16 @@ class Workload:
         return f"Workload({self.name!r}, batch_size={self.batch_size}, group_size={self.group_size})"
 
 
-def load_workload(spec: str, *, batch_size: int = 64, group_size: int = 1, seed: int = 0) -> Workload:
-    """Build the workload a spec names (forms in the module docstring).
+def load_workload(
+    spec: str,
+    *,
+    batch_size: int = 64,
+    group_size: int = 1,
+    seed: int = 0,
+    source_filter: Callable[[Source], Source] | None = None,
+) -> Workload:
+    """Build the workload a spec names (forms in the module docstring). `source_filter` replaces each source
+    (every part of a mix) before it is drawn from: e.g. half of a trace's trajectories (prorsa.forecast_eval.split).
 
     Raises WorkloadError for an unknown spec (listing the valid forms), a trace file that cannot be parsed, a
     batch_size that group_size does not divide, or a negative seed.
@@ -93,10 +101,11 @@ def load_workload(spec: str, *, batch_size: int = 64, group_size: int = 1, seed:
         raise WorkloadError(f"seed must be ≥ 0, got {seed}")
     n_prompts = batch_size // group_size
     spec = spec.strip()
+    keep = source_filter or (lambda s: s)
     if spec.startswith("mix:"):
-        draw, notes = _mix(spec, n_prompts, group_size, seed)
+        draw, notes = _mix(spec, n_prompts, group_size, seed, keep)
     else:
-        source = _source(spec)
+        source = keep(_source(spec))
         notes = source.notes(n_prompts, group_size, seed)
 
         def draw(index: int) -> Groups:
@@ -120,7 +129,9 @@ def _source(spec: str) -> Source:
     raise WorkloadError(f"unknown workload spec {spec!r}; valid forms: {', '.join(VALID_FORMS)}")
 
 
-def _mix(spec: str, n_prompts: int, group_size: int, seed: int) -> tuple[DrawStep, list[str]]:
+def _mix(
+    spec: str, n_prompts: int, group_size: int, seed: int, keep: Callable[[Source], Source]
+) -> tuple[DrawStep, list[str]]:
     pieces = _SPLIT.split(spec.removeprefix("mix:"))
     texts, operators = pieces[::2], set(pieces[1::2])
     if len(texts) < 2 or len(operators) != 1:
@@ -129,7 +140,7 @@ def _mix(spec: str, n_prompts: int, group_size: int, seed: int) -> tuple[DrawSte
             f"valid forms: {', '.join(VALID_FORMS)}"
         )
     parts, weights = zip(*(_weighted(text, spec) for text in texts), strict=True)
-    sources = [_source(part) for part in parts]
+    sources = [keep(_source(part)) for part in parts]
     if operators == {"/"}:
         if any(w != 1.0 for w in weights):
             raise WorkloadError(f"{spec!r}: weights apply to mixed parts (+), not alternating ones (/)")

@@ -1,4 +1,4 @@
-"""`python -m services.forecaster [--nats URL] [--predictor prorsa]`: run the forecaster alone."""
+"""`python -m services.forecaster [--nats URL] [--predictor ensemble]`: run the forecaster alone."""
 
 from __future__ import annotations
 
@@ -11,14 +11,20 @@ from services.runtime.main import run_service_main
 def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--predictor",
-        default="prorsa",
-        choices=("naive", "ewma", "ets", "arima", "lifecycle", "prorsa"),
-        help="which predictor's forecast to publish",
+        default="ensemble",
+        choices=("naive", "ewma", "ets", "arima", "lifecycle", "ensemble", "prorsa"),
+        help="which predictor's forecast to publish (prorsa: deprecated alias of ensemble)",
     )
     p.add_argument("--horizons-s", default="5,10,30", help="comma-separated forecast horizons in seconds")
     p.add_argument("--window-s", type=float, default=1.0, help="width of the demand series' windows")
     p.add_argument("--refit-interval-s", type=float, default=30.0, help="seconds between model refits")
     p.add_argument("--seed", type=int, default=0, help="seed of the lifecycle model's Monte Carlo")
+    p.add_argument(
+        "--forecast-interval-s",
+        type=float,
+        default=5.0,
+        help="seconds between published forecasts (the allocator's cadence; 0: one per snapshot)",
+    )
 
 
 def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterService:
@@ -32,6 +38,7 @@ def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterServi
         window_s=args.window_s,
         refit_interval_s=args.refit_interval_s,
         seed=args.seed,
+        forecast_interval_s=args.forecast_interval_s,
     )
 
 

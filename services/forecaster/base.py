@@ -5,7 +5,8 @@ A predictor observes two kinds of input, cleaned once here so no subclass repeat
     0 (counted in `sanitised`); a point not newer than the previous one is dropped.
   - `Picture`: the live trajectories of one tracker snapshot as arrays (`picture.py` builds it), with the
     lifecycle distributions and the caller's hints.
-It answers `predict(now, horizons) -> DemandForecast` with q10 <= q50 <= q90, all >= 0, for every horizon.
+It answers `predict(now, horizons) -> DemandForecast` with q10 <= q50 <= q90, all >= 0, for every horizon; with
+`calibrate=True` its q10/q90 are recalibrated online on its own matured forecasts (`calibration.py`).
 Predictors that fit a model offer `refit_job(now)`: a pure callable over copied inputs that may run on another
 thread, whose result `install()` adopts on the caller's thread; `refit(now)` does both synchronously.
 """
@@ -13,6 +14,7 @@ thread, whose result `install()` adopts on the caller's thread; `refit(now)` doe
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -20,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from proto import DemandForecast, HorizonForecast, Quantiles
+from services.forecaster.calibration import Calibrator
 from services.forecaster.picture import Picture
 from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint
 
@@ -74,7 +77,9 @@ class Predictor(ABC):
 
     name: ClassVar[str] = ""
 
-    def __init__(self, horizons_s: Sequence[float] = HORIZONS_S, window_s: float = 1.0) -> None:
+    def __init__(
+        self, horizons_s: Sequence[float] = HORIZONS_S, window_s: float = 1.0, calibrate: bool = False
+    ) -> None:
         if not horizons_s or any(not (h > 0.0) for h in horizons_s):
             raise ValueError("horizons must be > 0")
         if not (window_s > 0.0):
@@ -84,6 +89,8 @@ class Predictor(ABC):
         self.sanitised = 0  # input values replaced because they were negative or not finite
         self.last_end_s = -math.inf
         self.points = 0
+        # q10/q90 recalibrated online on this predictor's own matured forecasts (calibration.py)
+        self.calibrator = Calibrator(self.horizons_s, window_s) if calibrate else None
 
     # --- input ------------------------------------------------------------------------------------------------
     def observe(self, item: SeriesPoint | Picture, now: float) -> None:
@@ -93,6 +100,8 @@ class Predictor(ABC):
             if point is not None:
                 self.last_end_s = point.end_s
                 self.points += 1
+                if self.calibrator is not None:
+                    self.calibrator.observe(point)
                 self._on_point(point)
         elif isinstance(item, Picture):
             self._on_picture(item)
@@ -121,7 +130,7 @@ class Predictor(ABC):
     # --- output -----------------------------------------------------------------------------------------------
     def predict(self, now: float, horizons: Sequence[float] | None = None) -> DemandForecast:
         hs = tuple(float(h) for h in (horizons or self.horizons_s))
-        fc = self._forecast(now, hs)
+        fc = self.forecast_triples(now, hs)
         out = []
         for i, h in enumerate(hs):
             q = {
@@ -130,6 +139,13 @@ class Predictor(ABC):
             }
             out.append(HorizonForecast(horizon_s=h, **q))
         return DemandForecast(ts_s=float(now), predictor=self.name, horizons=out)
+
+    def forecast_triples(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
+        """`_forecast`, calibrated when this predictor calibrates (what `predict` publishes, before cleaning)."""
+        fc = self._forecast(now, horizons)
+        if self.calibrator is not None:
+            fc = self.calibrator.adjust(now, horizons, fc)
+        return fc
 
     @abstractmethod
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
@@ -162,10 +178,26 @@ def register(name: str) -> Callable[[Factory], Factory]:
     return deco
 
 
+# Deprecated names -> registered names. `prorsa` was the ensemble's name, the same as the allocator policy's, so
+# "prorsa with prorsa" was ambiguous in flags and reports; it keeps working for old command lines and configs.
+ALIASES: dict[str, str] = {"prorsa": "ensemble"}
+
+
+def resolve_name(name: str) -> str:
+    """The registered name for `name` (a deprecated alias warns once per call site)."""
+    new = ALIASES.get(name)
+    if new is None:
+        return name
+    warnings.warn(f"predictor {name!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+    return new
+
+
 def make_predictor(name: str, **options: Any) -> Predictor:
-    """Build a registered predictor. Raises KeyError naming the known predictors for an unknown name."""
+    """Build a registered predictor (or a deprecated alias of one). Raises KeyError naming the known predictors
+    for an unknown name."""
     import services.forecaster.predictors  # noqa: F401 - registers every predictor
 
+    name = resolve_name(name)
     try:
         factory = REGISTRY[name]
     except KeyError:

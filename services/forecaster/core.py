@@ -14,17 +14,21 @@ Wiring (the same in the live service and in the simulator):
                                  worker thread while the core keeps serving with the last fitted models;
                                  `refit(now)` runs it inline (simulator, tests).
 All times are the caller's clock in seconds; the series windows live on a fixed grid of that clock.
+
+Bad input is counted in `rejected` (reason -> count) and skipped, never raised: a snapshot older than the last
+one (out of order) or with a non-finite time, and the bad rows the picture drops (`picture.py`: non-finite,
+negative or absurd values, a trajectory listed twice). Duplicate or late events add nothing (`learner.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from proto import DemandForecast, LifecycleSnapshot
-from services.forecaster.base import Predictor, make_predictor
+from services.forecaster.base import Predictor, make_predictor, resolve_name
 from services.forecaster.distributions import Distributions
 from services.forecaster.learner import EventLearner
 from services.forecaster.picture import (
@@ -40,7 +44,7 @@ from services.forecaster.series import HORIZONS_S, SeriesPoint, Windower
 class ForecasterCore:
     def __init__(
         self,
-        predictor: str | Predictor = "prorsa",
+        predictor: str | Predictor = "ensemble",
         horizons_s: Sequence[float] = HORIZONS_S,
         window_s: float = 1.0,
         refit_interval_s: float = 30.0,
@@ -56,7 +60,8 @@ class ForecasterCore:
             self.predictor = predictor
         else:
             opts = dict(predictor_options or {})
-            if predictor in ("lifecycle", "prorsa"):
+            predictor = resolve_name(predictor)
+            if predictor in ("lifecycle", "ensemble"):
                 opts.setdefault("seed", seed)
             self.predictor = make_predictor(predictor, horizons_s=self.horizons_s, window_s=window_s, **opts)
         self.distributions = Distributions(capacity=sample_capacity)
@@ -67,6 +72,8 @@ class ForecasterCore:
         self._version_at_refit = 0
         self.snapshots = 0
         self.last_snapshot_ts_s = 0.0
+        self.rejected: Counter[str] = Counter()  # bad input skipped, by reason (module header)
+        self._seen_snapshot = False
 
     @property
     def name(self) -> str:
@@ -79,6 +86,9 @@ class ForecasterCore:
 
     def observe_event(self, event: Any, now: float) -> None:
         """One lifecycle or engine event at `now` (anything else is ignored)."""
+        if not math.isfinite(now):
+            self.rejected["event_time_not_finite"] += 1
+            return
         self._feed(self.learner.observe(event, now))
 
     def observe_snapshot(
@@ -107,6 +117,15 @@ class ForecasterCore:
 
     def _observe_picture(self, pic: Picture, now: float | None) -> None:
         now = pic.ts_s if now is None else now
+        if not (math.isfinite(pic.ts_s) and math.isfinite(now)):
+            self.rejected["snapshot_time_not_finite"] += 1
+            return
+        if self._seen_snapshot and pic.ts_s < self.last_snapshot_ts_s:
+            self.rejected["snapshot_out_of_order"] += 1
+            return
+        if pic.rejected:
+            self.rejected.update(pic.rejected)
+        self._seen_snapshot = True
         self._feed(self.learner.windower.set_levels(now, pic.decode_concurrency, pic.kv_tokens))
         self.predictor.observe(pic, now)
         self.snapshots += 1

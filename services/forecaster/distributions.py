@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.forecaster.steps import StepLearner
+
 POOLED = "*"
 KINDS: tuple[str, ...] = ("gap_s", "queue_wait_s", "prefill_wait_s", "output_tokens", "new_tokens", "turns")
 TURN_KINDS: tuple[str, ...] = ("gap_s", "prefill_wait_s", "output_tokens", "new_tokens")
@@ -114,6 +116,7 @@ class Distributions:
         self._by_turn: dict[tuple[str, int], dict[str, SampleRing]] = {}
         self.decode_rate_tokens_per_s = 0.0
         self.version = 0
+        self.steps = StepLearner()  # when the next RL step's first prompts come (steps.py)
 
     def _ring(self, task: str, kind: str) -> SampleRing:
         rings = self._rings.get(task)

@@ -1,4 +1,5 @@
-"""`prorsa`: an ensemble that follows whichever members have been accurate lately, per metric and horizon.
+"""`ensemble` (formerly registered as `prorsa`, the allocator policy's name; that alias still works with a
+DeprecationWarning): an ensemble that follows whichever members have been accurate lately, per metric and horizon.
 
 Weights come from exponentially weighted averaging (Hedge): w_j ∝ exp(-eta * L_j), where L_j is member j's
 discounted cumulative loss on matured forecasts. A forecast issued at t for horizon h matures once the series
@@ -8,10 +9,9 @@ normalisation, so metrics of any size weigh alike), floored at a tenth of its lo
 would take the largest loss exactly when nothing is at stake, and lose its weight just before the next burst.
 Hedge's guarantee: on the normalised absolute loss, its average loss exceeds the best member's by at most
 O(sqrt(log K / T)) on a stationary stretch; the discount (`discount` per matured forecast) lets it move to another
-member when the regime changes (start-of-step burst, steady state, long tail). The median is the weighted average of the members' medians. Quantiles: once
-`min_residuals` of its own forecasts matured, q10/q90 are conformal — q50 scaled by the 10 % and 90 % quantiles of
-its recent relative errors, so the 80 % band is calibrated even when a member's model-based band is too narrow;
-before that, the weighted averages of the members' q10/q90.
+member when the regime changes (start-of-step burst, steady state, long tail). The median is the weighted average of
+the members' medians; q10/q90 are the weighted averages of the members' (each calibrated if that member
+calibrates), then recalibrated on the ensemble's own matured forecasts (`calibration.py`, `calibrate=True`).
 
 Members observe every input and are asked for a forecast at every `predict`, so they keep being scored; at most one
 forecast per series window is kept for scoring. Before anything matured the weights are uniform.
@@ -30,7 +30,6 @@ from services.forecaster.base import (
     MetricForecast,
     Predictor,
     clean_triple,
-    linear_quantiles,
     make_predictor,
     register,
 )
@@ -40,9 +39,9 @@ from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint, realise
 DEFAULT_MEMBERS: tuple[str, ...] = ("naive", "ewma", "ets", "arima", "lifecycle")
 
 
-@register("prorsa")
+@register("ensemble")
 class EnsemblePredictor(Predictor):
-    name = "prorsa"
+    name = "ensemble"
 
     def __init__(
         self,
@@ -54,10 +53,9 @@ class EnsemblePredictor(Predictor):
         seed: int = 0,
         member_options: dict[str, dict[str, Any]] | None = None,
         min_matured: int = 5,
-        min_residuals: int = 20,
-        residual_window: int = 200,
+        calibrate: bool = True,
     ) -> None:
-        super().__init__(horizons_s, window_s)
+        super().__init__(horizons_s, window_s, calibrate=calibrate)
         opts = member_options or {}
         self.members: list[Predictor] = [
             m
@@ -75,10 +73,8 @@ class EnsemblePredictor(Predictor):
         self.scale_long = np.zeros(shape[:2])  # running mean |realised| over ~1000 matured forecasts
         self.matured = np.zeros(shape[:2], dtype=np.int64)
         self.min_matured = min_matured
-        self.min_residuals = min_residuals
-        # (issued at, members' q50 per metric × horizon × member, own q50 per metric × horizon, scored per horizon)
-        self._pending: deque[tuple[float, np.ndarray, np.ndarray, list[bool]]] = deque()
-        self._residuals = [[deque(maxlen=residual_window) for _ in self.horizons_s] for _ in METRICS]
+        # (issued at, members' q50 per metric × horizon × member, scored per horizon)
+        self._pending: deque[tuple[float, np.ndarray, list[bool]]] = deque()
         self._points: deque[SeriesPoint] = deque(maxlen=int(4 * max(self.horizons_s) / window_s) + 16)
         # The members' cleaned forecasts behind the latest `predict` (member name -> metric -> one triple per
         # horizon), so an evaluation can score every member without asking each for its forecast again.
@@ -114,20 +110,17 @@ class EnsemblePredictor(Predictor):
         """Score every (forecast, horizon) that matured with this window; each horizon as soon as it matures."""
         self._points.append(point)
         pts = list(self._points)
-        for entry in self._pending:
-            issued, member_q50, own_q50, scored = entry
+        for issued, member_q50, scored in self._pending:
             if issued + self.horizons_s[0] > point.end_s + 1e-9:
                 break  # later entries matured even less
             for j, h in enumerate(self.horizons_s):
                 if not scored[j] and issued + h <= point.end_s + 1e-9:
                     scored[j] = True
-                    self._score(j, realised(pts, issued, h), member_q50, own_q50)
-        while self._pending and all(self._pending[0][3]):
+                    self._score(j, realised(pts, issued, h), member_q50)
+        while self._pending and all(self._pending[0][2]):
             self._pending.popleft()
 
-    def _score(
-        self, j: int, actual: dict[str, float] | None, member_q50: np.ndarray, own_q50: np.ndarray
-    ) -> None:
+    def _score(self, j: int, actual: dict[str, float] | None, member_q50: np.ndarray) -> None:
         if actual is None:  # the series does not cover it (a gap in the windows): skip
             return
         for i, m in enumerate(METRICS):
@@ -138,12 +131,11 @@ class EnsemblePredictor(Predictor):
             floor = max(self.scale[i, j], 0.1 * self.scale_long[i, j], 1e-9)
             loss = np.abs(member_q50[i, j] - a) / floor
             self.loss[i, j] = self.discount * self.loss[i, j] + np.minimum(loss, 10.0)
-            self._residuals[i][j].append((a - own_q50[i, j]) / max(own_q50[i, j], 0.1 * floor))
 
     # --- output -----------------------------------------------------------------------------------------------
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
         forecasts = [
-            {k: [clean_triple(*t) for t in v] for k, v in m._forecast(now, horizons).items()}
+            {k: [clean_triple(*t) for t in v] for k, v in m.forecast_triples(now, horizons).items()}
             for m in self.members
         ]
         w = self.weights()
@@ -154,23 +146,17 @@ class EnsemblePredictor(Predictor):
                 hj = self._horizon_index(h)
                 q = np.array([f[metric][j] for f in forecasts])  # (members, 3)
                 q10, q50, q90 = (float(x) for x in w[i, hj] @ q)
-                resid = self._residuals[i][hj]
-                if len(resid) >= self.min_residuals:  # conformal: the ensemble's own recent relative errors
-                    r10, r90 = linear_quantiles(np.fromiter(resid, float, len(resid)), (0.1, 0.9))
-                    q10, q90 = q50 * (1.0 + r10), q50 * (1.0 + r90)
                 rows.append(clean_triple(q10, q50, q90))
             out[metric] = rows
-        self._remember(now, horizons, forecasts, out)
+        self._remember(now, horizons, forecasts)
         self.member_forecasts = {m.name: f for m, f in zip(self.members, forecasts, strict=True)}
         return out
 
     def _horizon_index(self, h: float) -> int:
         return int(np.argmin([abs(h - x) for x in self.horizons_s]))
 
-    def _remember(
-        self, now: float, horizons: tuple[float, ...], forecasts: list[MetricForecast], own: MetricForecast
-    ) -> None:
-        """Keep the q50s (members' and own) for scoring: one forecast per window, for the configured horizons."""
+    def _remember(self, now: float, horizons: tuple[float, ...], forecasts: list[MetricForecast]) -> None:
+        """Keep the members' q50s for scoring: one forecast per window, for the configured horizons."""
         if horizons != self.horizons_s or not math.isfinite(now):
             return
         if self._pending and math.floor(self._pending[-1][0] / self.window_s) == math.floor(
@@ -179,8 +165,7 @@ class EnsemblePredictor(Predictor):
             return
         hs = range(len(horizons))
         member_q50 = np.array([[[f[m][j][1] for f in forecasts] for j in hs] for m in METRICS])
-        own_q50 = np.array([[own[m][j][1] for j in hs] for m in METRICS])
-        self._pending.append((now, member_q50, own_q50, [False] * len(horizons)))
+        self._pending.append((now, member_q50, [False] * len(horizons)))
         if len(self._pending) > 4 * max(self.horizons_s) / self.window_s + 16:
             self._pending.popleft()
 

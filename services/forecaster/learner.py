@@ -10,12 +10,13 @@ caller's clock: arrival time in the live service, virtual time in the simulator)
 Idempotence without sequence windows: every figure is keyed by what it measures — a turn's new tokens by
 (trajectory, turn), a request's output by its request id (progress counts only its growth), a gap by its
 trajectory — so a duplicate or a late event adds nothing. Per-trajectory and per-request records are bounded
-(LRU); a trajectory's record ends with TrajectoryFinished.
+(LRU); a trajectory's record ends with TrajectoryFinished. Token counts beyond `MAX_TOKENS` (more than any
+model's context) are bad input: counted in `rejected` and skipped.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from proto import (
@@ -30,6 +31,8 @@ from proto import (
 )
 from services.forecaster.distributions import Distributions
 from services.forecaster.series import SeriesPoint, Windower
+
+MAX_TOKENS = 2**24  # the picture's limit on a context (picture.LIMITS)
 
 
 class _Traj:
@@ -71,6 +74,7 @@ class EventLearner:
         self._trajs: OrderedDict[str, _Traj] = OrderedDict()
         self._requests: OrderedDict[str, _Request] = OrderedDict()
         self.events = 0
+        self.rejected: Counter[str] = Counter()  # events skipped as bad input, by reason
 
     def observe(self, event: Any, now: float) -> list[SeriesPoint]:
         """Learn from one event at `now`; returns the series windows closed by the passage of time."""
@@ -78,11 +82,20 @@ class EventLearner:
         closed = self.windower.advance(now)
         if isinstance(event, TokenProgress):
             for item in event.items:
+                if item.output_tokens > MAX_TOKENS:
+                    self.rejected["absurd_output_tokens"] += 1
+                    continue
                 self._progress(item.request_id, item.output_tokens, now)
         elif isinstance(event, TurnSubmitted):
-            self._turn(event, now)
+            if max(event.prompt_tokens, event.new_tokens) > MAX_TOKENS:
+                self.rejected["absurd_prompt_tokens"] += 1
+            else:
+                self._turn(event, now)
         elif isinstance(event, RequestFinished):
-            self._request_finished(event, now)
+            if max(event.prompt_tokens, event.output_tokens) > MAX_TOKENS:
+                self.rejected["absurd_output_tokens"] += 1
+            else:
+                self._request_finished(event, now)
         elif isinstance(event, PrefillDone):
             self._prefill_done(event, now)
         elif isinstance(event, ToolCallStarted):
@@ -94,6 +107,7 @@ class EventLearner:
             if r is not None:
                 r.output_tokens = 0  # the retry (same request id) generates again
         elif isinstance(event, TrajectoryStarted):
+            self.distributions.steps.started(event.traj_id, event.policy_version, now)
             if event.traj_id not in self._trajs:
                 _bounded_put(self._trajs, event.traj_id, _Traj(event.task, now), self.max_tracked)
         elif isinstance(event, TrajectoryFinished):
@@ -121,6 +135,8 @@ class EventLearner:
         d = self.distributions
         if first and t.started_s is not None:
             d.add(t.task, "queue_wait_s", now - t.started_s)
+        if first and ev.turn == 0:
+            d.steps.first_turn(ev.traj_id, new, t.task, now)
         if not first:
             d.add(t.task, "new_tokens", new, turn=t.last_turn)  # filed under the turn it follows
         if t.gap_start_s is not None:
@@ -178,6 +194,7 @@ class EventLearner:
                 self.distributions.add_decode_rate((ev.output_tokens - g0) / (now - t0))
 
     def _finished(self, ev: TrajectoryFinished, now: float) -> None:
+        self.distributions.steps.finished(ev.traj_id, now)
         t = self._trajs.pop(ev.traj_id, None)
         if t is None:
             return

@@ -1,5 +1,27 @@
 """`lifecycle`: demand from the tracker's per-trajectory picture and the learned lifecycle distributions.
 
+What it knows, and where from. Everything about a task — turn counts, tool (gap) times, output lengths, new tokens
+per turn, prefill and queue waits, the decode rate — is learnt online from this run's own lifecycle events
+(`learner.py`, `distributions.py`), per task and turn bucket, falling back to the run's pooled samples. Nothing
+is fitted offline to a trace. The priors, used only until the run has observed a kind, are stand-ins of the
+right order and no more (`lifecycle_model.PRIORS`: a 1 s gap, 256 tokens in and out per turn, 30 tokens/s), and
+are replaced as soon as one sample of that kind exists. What no series model has is the structure, one piece
+per term:
+  term              structural knowledge it uses
+  tool_call         a trajectory in a tool call returns (or ends) with a prompt whose context is known: the
+                    tracker's context plus the new tokens of a turn; when, from the gap's conditional survival
+                    given the time already spent; whether, from the turn-count hazard and that time;
+  decode            a decoding trajectory ends its output and comes back after a gap: its remaining tokens given
+                    the ones already generated, then the continuation table;
+  prefill / queued  a submitted prompt is decoded next; a queued first turn arrives with its whole context;
+  pending hints     the driver knows when the first prompts of a step it submitted arrive (`PendingArrival`);
+  next step         the next step's first prompts come a training time after the run drained, with the last
+                    step's first-prompt profile (`steps.py`; learnt from this run's step boundaries, no prior);
+  GRPO groups       a group's samples share one first prompt: they appear as equal prompts at equal offsets in
+                    the hints and the step profile (no term of its own: the prompt is counted once per sample,
+                    as the demand definition does).
+q10/q90 are recalibrated online on this predictor's own matured forecasts (`calibration.py`).
+
 Each live trajectory contributes according to its state and progress (see `lifecycle_tables.py` for the model):
   tool_call  returns within h with P(D <= s + h | D > s) from the task's empirical gap distribution (s = time
              already spent), bringing N new prompt tokens, then decodes, and may come back again within h;
@@ -50,6 +72,7 @@ from services.forecaster.lifecycle_stack import Stack, build_stack, stacked_mome
 from services.forecaster.lifecycle_tables import TaskTable, build_task_table
 from services.forecaster.picture import DECODE, QUEUED, TOOL_CALL, Picture
 from services.forecaster.series import HORIZONS_S, SeriesPoint
+from services.forecaster.steps import Scenario
 
 # A refit's result: (distributions version, tables by key, reusable turn-bucket tables with their fingerprints)
 Fitted = tuple[int, dict[str, TaskTable], dict[str, tuple[Hashable, TaskTable]]]
@@ -74,8 +97,11 @@ class LifecyclePredictor(Predictor):
         rate_windows: int = 5,
         min_rate_seconds: float = 2.0,
         rate_history: int = 300,
+        calibrate: bool = True,
+        next_step: bool = True,
     ) -> None:
-        super().__init__(horizons_s, window_s)
+        super().__init__(horizons_s, window_s, calibrate=calibrate)
+        self.next_step = next_step  # forecast the next RL step's first turns while the run is drained
         self.paths = paths
         self.min_task_samples = min_task_samples
         self.min_rate_seconds = min_rate_seconds
@@ -174,6 +200,10 @@ class LifecyclePredictor(Predictor):
             self._add_trajectories(pic, now, sums)
         if pic is not None and pic.pending:
             self._add_pending(pic, now, sums)
+        elif pic is not None and pic.n == 0 and pic.distributions is not None and self.next_step:
+            scenarios = pic.distributions.steps.expected(now)
+            if scenarios:
+                self._add_next_step(scenarios, now, sums)
         out: MetricForecast = {
             m: [] for m in ("prefill_tokens", "decode_tokens", "decode_concurrency", "kv_tokens")
         }
@@ -225,28 +255,50 @@ class LifecyclePredictor(Predictor):
             keep = ~(hinted & (state == QUEUED))
             slot, state, x, turn, ctx = slot[keep], state[keep], x[keep], turn[keep], ctx[keep]
         mean, var = stacked_moments(stack, slot, state, x, turn, ctx, self._scratch)
-        self._accumulate(sums, self.tables[POOLED], mean, var)
+        self._accumulate(sums, mean, var)
 
     def _add_pending(self, pic: Picture, now: float, sums: dict[str, list[np.ndarray]]) -> None:
         """Hinted first turns: `prompt_tokens` arrive at `at_s` exactly, then the continuation table."""
+        items = [(p.at_s - now, float(p.prompt_tokens), p.task) for p in pic.pending]
+        mean, var = self._first_turns(items)
+        self._accumulate(sums, mean, var)
+
+    def _add_next_step(
+        self, scenarios: list[Scenario], now: float, sums: dict[str, list[np.ndarray]]
+    ) -> None:
+        """The next step's first turns (`steps.py`): a mixture over its start times. Per scenario the first
+        turns are independent; the mixture's variance adds the spread between scenarios."""
+        first = np.zeros((3, len(self.tables[POOLED].horizons_s)))
+        second = np.zeros_like(first)
+        for sc in scenarios:
+            items = [(sc.start_s + off - now, tokens, task) for off, tokens, task in sc.arrivals]
+            m, v = self._first_turns(items)
+            first += sc.weight * m
+            second += sc.weight * (v + m * m)
+        self._accumulate(sums, first, np.maximum(second - first * first, 0.0))
+
+    def _first_turns(self, items: list[tuple[float, float, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Summed (mean, var), each (3 quantities, H), of first turns of (seconds from now, prompt tokens, task):
+        the prompt arrives then, and the task's turn-0 continuation table says what follows."""
+        hs = self.tables[POOLED].horizons_s
+        total_m, total_v = np.zeros((3, len(hs))), np.zeros((3, len(hs)))
         by_task: dict[str, list[tuple[float, float]]] = {}
-        for p in pic.pending:
-            by_task.setdefault(p.task, []).append((max(0.0, p.at_s - now), float(p.prompt_tokens)))
-        for task, items in by_task.items():
+        for tau, tokens, task in items:
+            by_task.setdefault(task, []).append((max(0.0, tau), tokens))
+        for task, rows in by_task.items():
             table = self._table(task, turn_bucket(0))
-            tau, c = (np.array(v)[:, None] for v in zip(*items, strict=True))
+            tau, c = (np.array(v)[:, None] for v in zip(*rows, strict=True))
             rem = table.horizons_s[None, :] - tau  # (hints, H)
             ok = rem >= 0.0
             a1, a2, s1, s2, i1, gi, g2i = (np.where(ok, v, 0.0) for v in table.cont.at(rem))
             mean = np.stack([np.where(ok, c, 0.0) + a1, s1, c * i1 + gi])  # (3, hints, H)
             second = np.stack([np.where(ok, c * c + 2 * c * a1, 0.0) + a2, s2, c * c * i1 + 2 * c * gi + g2i])
-            var = np.maximum(second - mean * mean, 0.0)
-            self._accumulate(sums, table, mean.sum(axis=1), var.sum(axis=1))
+            total_m += mean.sum(axis=1)
+            total_v += np.maximum(second - mean * mean, 0.0).sum(axis=1)
+        return total_m, total_v
 
     @staticmethod
-    def _accumulate(
-        sums: dict[str, list[np.ndarray]], table: TaskTable, mean: np.ndarray, var: np.ndarray
-    ) -> None:
+    def _accumulate(sums: dict[str, list[np.ndarray]], mean: np.ndarray, var: np.ndarray) -> None:
         for i, q in enumerate(("prefill", "seconds", "kv")):
             sums[q][0] += mean[i]
             sums[q][1] += var[i]

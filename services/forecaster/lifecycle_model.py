@@ -25,7 +25,9 @@ import numpy as np
 from services.forecaster.distributions import TaskSamples
 
 # Stand-ins before anything is observed: a 1 s gap always followed by a turn, 256 output and new tokens per
-# turn, no prefill or queue wait, 30 tokens/s per sequence.
+# turn, no prefill or queue wait, 30 tokens/s per sequence. Where they come from: round numbers of the right
+# order for an LLM agent turn, fitted to no trace; each is replaced by the run's own samples as soon as one
+# exists (a kind with no sample at all is the only place a prior is read).
 PRIORS = {"gap_s": 1.0, "output_tokens": 256.0, "new_tokens": 256.0, "decode_rate_tokens_per_s": 30.0}
 
 

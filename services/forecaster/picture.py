@@ -5,11 +5,18 @@ Built once per snapshot and shared by every predictor, from either form of a sna
     in several milliseconds: one C-level attribute pass per field);
   - `build_picture_columns(SnapshotColumns)`: the tracker's columns, in process (a few array copies).
 Both give the same picture: task codes in order of first appearance among the live trajectories, states outside
-the four the picture models left out. Negative or non-finite numbers are clipped to 0 here, once.
+the four the picture models left out.
+
+Bad input from a peer is counted and skipped here, once (`Picture.rejected`, by reason), so no predictor sees it:
+a row with a non-finite or negative number, or an absurd one (beyond `LIMITS`: more context than any model holds,
+a state lasting longer than a run), and every repeat of a trajectory id after its first row. A task never seen
+before needs nothing special: predictors fall back to the pooled task's distributions. Negative or non-finite
+snapshot totals (decode count, KV tokens) become 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -22,6 +29,14 @@ from proto import LifecycleSnapshot
 from services.forecaster.distributions import Distributions
 
 STATE_CODES: dict[str, int] = {"queued": 0, "prefill": 1, "decode": 2, "tool_call": 3}
+# Largest plausible values per row (larger ones are rejected as absurd): 2^24 tokens is 16x the longest context of
+# today's models; a week in one state, or 2^20 turns, is no rollout.
+LIMITS: dict[str, float] = {
+    "context_tokens": float(2**24),
+    "generated": float(2**24),
+    "time_in_state_s": 7 * 86400.0,
+    "turn": float(2**20),
+}
 QUEUED, PREFILL, DECODE, TOOL_CALL = 0, 1, 2, 3
 
 
@@ -55,6 +70,7 @@ class Picture:
     pending: tuple[PendingArrival, ...] = ()
     decode_rate_tokens_per_s: float | None = None  # caller's override of the learned per-sequence rate
     ids: Sequence[str] | None = None  # traj ids in array order (None: read them from `features` when needed)
+    rejected: Mapping[str, int] | None = None  # rows skipped as bad input, by reason (module header)
 
     @property
     def n(self) -> int:
@@ -76,10 +92,32 @@ _get_ctx = attrgetter("context_tokens")
 _get_turn = attrgetter("turn")
 
 
-def _clean(a: np.ndarray) -> np.ndarray:
-    a[~np.isfinite(a)] = 0.0
-    np.maximum(a, 0.0, out=a)
-    return a
+def _total(x: float) -> float:
+    return float(x) if math.isfinite(x) and x > 0 else 0.0
+
+
+def _bad_rows(ids: Sequence[str], columns: dict[str, np.ndarray]) -> tuple[np.ndarray | None, dict[str, int]]:
+    """Row indices to keep (None: all) and the rejected rows by reason (module header)."""
+    n = len(ids)
+    bad = np.zeros(n, dtype=bool)
+    reasons: dict[str, int] = {}
+    for name, a in columns.items():
+        with np.errstate(invalid="ignore"):
+            invalid = ~np.isfinite(a) | (a < 0)
+            absurd = ~invalid & (a > LIMITS[name])
+        for reason, mask in (("invalid", invalid), ("absurd", absurd)):
+            k = int((mask & ~bad).sum())
+            if k:
+                reasons[f"{reason}_{name}"] = reasons.get(f"{reason}_{name}", 0) + k
+                bad |= mask
+    if len(set(ids)) < n:  # a trajectory listed twice: keep its first row
+        seen: set[str] = set()
+        for i, tid in enumerate(ids):
+            if tid in seen and not bad[i]:
+                bad[i] = True
+                reasons["duplicate_traj"] = reasons.get("duplicate_traj", 0) + 1
+            seen.add(tid)
+    return (np.flatnonzero(~bad) if bad.any() else None), reasons
 
 
 def build_picture(
@@ -88,13 +126,27 @@ def build_picture(
     pending: tuple[PendingArrival, ...] = (),
     decode_rate_tokens_per_s: float | None = None,
 ) -> Picture:
-    """Arrays of the snapshot's live trajectories (terminal or unknown states are left out)."""
+    """Arrays of the snapshot's live trajectories (terminal or unknown states, and bad rows, are left out)."""
     feats = snapshot.trajectories
     codes = list(map(STATE_CODES.get, map(_get_state, feats), repeat(-1)))
     if -1 in codes:  # a state the picture does not model (none today): leave those trajectories out
         feats = [f for f, c in zip(feats, codes, strict=True) if c >= 0]
         codes = [c for c in codes if c >= 0]
     n = len(feats)
+    cols = {
+        "time_in_state_s": np.fromiter(map(_get_tis, feats), dtype=np.float64, count=n),
+        "generated": np.fromiter(map(_get_gen, feats), dtype=np.float64, count=n),
+        "context_tokens": np.fromiter(map(_get_ctx, feats), dtype=np.float64, count=n),
+        "turn": np.fromiter(map(_get_turn, feats), dtype=np.float64, count=n),
+    }
+    ids = list(map(_get_id, feats))
+    keep, rejected = _bad_rows(ids, cols)
+    if keep is not None:
+        rows = keep.tolist()
+        feats = [feats[i] for i in rows]
+        codes = [codes[i] for i in rows]
+        cols = {k: v[keep] for k, v in cols.items()}
+        n = len(feats)
     states = np.array(codes, dtype=np.int8)
     tasks = list(map(_get_task, feats))
     task_names = {name: i for i, name in enumerate(dict.fromkeys(tasks))}
@@ -104,16 +156,17 @@ def build_picture(
         task_names=tuple(task_names),
         task=task,
         state=states,
-        time_in_state_s=_clean(np.fromiter(map(_get_tis, feats), dtype=np.float64, count=n)),
-        generated=_clean(np.fromiter(map(_get_gen, feats), dtype=np.float64, count=n)),
-        context=_clean(np.fromiter(map(_get_ctx, feats), dtype=np.float64, count=n)),
-        turn=np.maximum(np.fromiter(map(_get_turn, feats), dtype=np.int64, count=n), 0),
+        time_in_state_s=cols["time_in_state_s"],
+        generated=cols["generated"],
+        context=cols["context_tokens"],
+        turn=cols["turn"].astype(np.int64),
         features=feats,
-        decode_concurrency=float(max(0, snapshot.counts.get("decode", 0))),
-        kv_tokens=float(max(0, snapshot.context_tokens_by_state.get("decode", 0))),
+        decode_concurrency=_total(snapshot.counts.get("decode", 0)),
+        kv_tokens=_total(snapshot.context_tokens_by_state.get("decode", 0)),
         distributions=distributions,
         pending=tuple(pending),
         decode_rate_tokens_per_s=decode_rate_tokens_per_s,
+        rejected=rejected,
     )
 
 
@@ -136,7 +189,7 @@ class SnapshotColumnsLike(Protocol):
 
 
 def _as_float(a: np.ndarray) -> np.ndarray:
-    return _clean(np.array(a, dtype=np.float64))  # always a copy: `_clean` writes in place
+    return np.array(a, dtype=np.float64)  # a copy: the tracker's columns change after the call
 
 
 def build_picture_columns(
@@ -154,6 +207,18 @@ def build_picture_columns(
         a = np.asarray(a)
         return a if keep is None else a[keep]
 
+    ids = cols.traj_ids if keep is None else [cols.traj_ids[i] for i in keep.tolist()]
+    values = {
+        "time_in_state_s": _as_float(rows(cols.time_in_state_s)),
+        "generated": _as_float(rows(cols.generated_this_turn)),
+        "context_tokens": _as_float(rows(cols.context_tokens)),
+        "turn": _as_float(rows(cols.turn)),
+    }
+    good, rejected = _bad_rows(ids, values)
+    if good is not None:
+        keep = good if keep is None else keep[good]
+        values = {k: v[good] for k, v in values.items()}
+        ids = [ids[i] for i in good.tolist()]
     states = rows(states)
     # Task codes renumbered in order of first appearance (what `build_picture` does with names): predictors
     # iterate over `task_names`, so a task with no live trajectory must not be listed.
@@ -162,21 +227,21 @@ def build_picture_columns(
     order = np.argsort(first, kind="stable")
     rank = np.empty(len(uniq), dtype=np.int32)
     rank[order] = np.arange(len(uniq), dtype=np.int32)
-    ids = cols.traj_ids
     return Picture(
         ts_s=float(cols.ts_s),
         task_names=tuple(cols.task_names[c] for c in uniq[order].tolist()),
         task=rank[inverse.ravel()],
         state=states,
-        time_in_state_s=_as_float(rows(cols.time_in_state_s)),
-        generated=_as_float(rows(cols.generated_this_turn)),
-        context=_as_float(rows(cols.context_tokens)),
-        turn=np.maximum(rows(cols.turn).astype(np.int64), 0),
+        time_in_state_s=values["time_in_state_s"],
+        generated=values["generated"],
+        context=values["context_tokens"],
+        turn=values["turn"].astype(np.int64),
         features=(),
-        decode_concurrency=float(max(0, cols.counts.get("decode", 0))),
-        kv_tokens=float(max(0, cols.context_tokens_by_state.get("decode", 0))),
+        decode_concurrency=_total(cols.counts.get("decode", 0)),
+        kv_tokens=_total(cols.context_tokens_by_state.get("decode", 0)),
         distributions=distributions,
         pending=tuple(pending),
         decode_rate_tokens_per_s=decode_rate_tokens_per_s,
-        ids=ids if keep is None else [ids[i] for i in keep.tolist()],
+        ids=ids,
+        rejected=rejected,
     )

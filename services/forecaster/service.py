@@ -4,7 +4,11 @@ Inputs (core NATS, no acks needed: the forecaster's state is soft and rebuilds f
   `subjects.snapshot`                      LifecycleSnapshot from the tracker -> one DemandForecast each;
   `subjects.lifecycle`, `ns.events.*`      lifecycle and engine events (also captured by the EVENTS stream), from
                                            which the core learns exact token flows and lifecycle distributions.
-Output: `subjects.forecast`, one DemandForecast per snapshot from the configured predictor.
+Output: `subjects.forecast`, a DemandForecast from the configured predictor on the consumer's cadence: at the
+first snapshot at least `forecast_interval_s` (default 5 s, the allocator's decision interval) after the last
+forecast. Every snapshot is still observed (levels and picture, cheap), but the forecast itself — the part that
+costs CPU — runs only when the allocator will read it; between two forecasts the allocator would only have kept
+the newest. `forecast_interval_s=0` forecasts every snapshot. Bad input is counted (`health_details`).
 
 Refits never block the event loop: when a refit is due, the core hands out a pure job over copied data, which runs
 in a worker thread (`asyncio.to_thread`); the core keeps forecasting with the last fitted models until the job's
@@ -14,6 +18,7 @@ result is installed back on the loop. At most one refit runs at a time.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,13 +43,17 @@ class ForecasterService(Service):
         namespace: str = "prorsa",
         instance_id: str | None = None,
         metrics_port: int | None = None,
-        predictor: str = "prorsa",
+        predictor: str = "ensemble",
         horizons_s: Sequence[float] = HORIZONS_S,
         window_s: float = 1.0,
         refit_interval_s: float = 30.0,
         seed: int = 0,
+        forecast_interval_s: float = 5.0,
     ) -> None:
         super().__init__(nats_url, namespace, instance_id, metrics_port)
+        self.forecast_interval_s = forecast_interval_s
+        self._last_forecast_s = -math.inf
+        self.snapshots_without_forecast = 0
         self.core = ForecasterCore(
             predictor, horizons_s=horizons_s, window_s=window_s, refit_interval_s=refit_interval_s, seed=seed
         )
@@ -65,11 +74,15 @@ class ForecasterService(Service):
         assert isinstance(snapshot, LifecycleSnapshot)
         now = snapshot.ts_s
         self.core.observe_snapshot(snapshot, now)
-        forecast = self.core.forecast(now)
-        await self.publish(self.subjects.forecast, forecast)
-        self.domain_metrics.observe_forecast(forecast)
-        self.domain_metrics.observe_series(self.core.series)
-        self.forecasts_published += 1
+        if now - self._last_forecast_s + 1e-9 < self.forecast_interval_s:
+            self.snapshots_without_forecast += 1
+        else:
+            self._last_forecast_s = now
+            forecast = self.core.forecast(now)
+            await self.publish(self.subjects.forecast, forecast)
+            self.domain_metrics.observe_forecast(forecast)
+            self.domain_metrics.observe_series(self.core.series)
+            self.forecasts_published += 1
         if not self._refitting and self.core.refit_due(now):
             job = self.core.refit_job(now)
             if job is not None:
@@ -91,4 +104,6 @@ class ForecasterService(Service):
             "refits": self.refits,
             "snapshots": self.core.snapshots,
             "events": self.core.learner.events,
+            "snapshots_without_forecast": self.snapshots_without_forecast,
+            "rejected": dict(self.core.rejected + self.core.learner.rejected),
         }
