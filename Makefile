@@ -4,8 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+TRAINERS := .venv-trainers
+TRAINERS_STAMP := $(TRAINERS)/.installed
 
-.PHONY: demo test lint clean vllm
+.PHONY: demo test lint clean vllm trainers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +31,23 @@ $(VLLM_STAMP): $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
+# verl and AReaL for the trainer tests (tests/test_trainers.py), in their own environment: their dependency sets
+# clash with ours (CUDA torch builds, transformers pins), so each is installed --no-deps beside what its rollout
+# code really imports (tests/trainers/requirements.txt); torch is the CPU build on disk. A few minutes, once.
+$(TRAINERS_STAMP): tests/trainers/requirements.txt
+	@echo "installing verl + AReaL into $(TRAINERS) (a few minutes on first use)"
+	$(PYTHON) -m venv $(TRAINERS)
+	$(TRAINERS)/bin/pip install -q 'torch==2.13.0'
+	$(TRAINERS)/bin/pip install -q -r tests/trainers/requirements.txt
+	$(TRAINERS)/bin/pip install -q --no-deps 'verl==0.9.1' 'areal==1.0.4'
+	touch $(TRAINERS_STAMP)
+
+trainers: $(TRAINERS_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/prorsa demo
 
-test: $(VLLM_STAMP)
+test: $(VLLM_STAMP) $(TRAINERS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
@@ -40,4 +55,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TRAINERS) .pytest_cache

@@ -26,6 +26,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("rollout", "prorsa.commands.rollout", "agentic RL rollout over the live system"),
     ("profile", "prorsa.commands.profile", "measure a real engine and write a simulator profile"),
+    (
+        "tiny-model",
+        "prorsa.commands.tiny_model",
+        "write the small random test model for --model (no hub needed)",
+    ),
 )
 
 

@@ -74,6 +74,47 @@ def render() -> str:
         "and policy version updates, nothing else. Epochs and policy versions are at most 2^53 - 1; an engine "
         "refuses a version that jumps more than a million past its own, and weights from outside its weights root.",
         "",
+        "`clients/node/` is such a trainer in Node.js (`@nats-io/transport-node` and `@nats-io/jetstream`, JSON), "
+        "written from this page; `tests/test_node_client.py` runs it against a live cluster. What it needed:",
+        "",
+        "- **Encoding.** UTF-8 JSON objects. Integer fields must be JSON integers (`3`, not `3.0`); float fields take "
+        "either. Optional fields (`?` below) may be omitted. Ids (`traj_id`, `request_id`, engine and client ids) "
+        "are single subject tokens: 1-200 characters of `A-Z a-z 0-9 _ - :`.",
+        "- **Streams.** `ns.work.>` lives in the work-queue stream `<NS>_WORK` and `ns.lifecycle`, `ns.events.*` in "
+        "`<NS>_EVENTS` (`<NS>`: the namespace upper-cased, `-` and `:` as `_`; `PRORSA_WORK`, `PRORSA_EVENTS` by "
+        "default). The services create them at start-up; a client waits until both exist (a JetStream publish "
+        "before that has no responders) rather than creating them with a configuration of its own.",
+        "- **Clock.** `ts_s` and `submitted_s` are Unix seconds times the cluster's time scale: 1 with real "
+        "engines, `PRORSA_TIME_SCALE` (e.g. 20) on a cluster of simulated engines. A client with another clock "
+        "puts its events out of place in the tracker's picture.",
+        "- **Lifecycle numbering.** `source` is the client's id; `seq` counts its events 1, 2, ...; publish each with "
+        "the header `Nats-Msg-Id: <source>:<seq>`, so a re-published event is stored once and the tracker drops "
+        "a repeated (source, seq).",
+        "- **A trajectory, in order.** `trajectory_started`; per turn `turn_submitted` (`prompt_tokens`: the whole "
+        "context; `new_tokens`: context minus the previous turn's prompt and output), then the `generate_request`; "
+        "between turns `tool_call_started` and `tool_call_finished`, whose `turn` is the turn whose output made the "
+        "call and whose `observation_tokens` counts what the tool appends; finally `trajectory_finished` with "
+        "`turns` = turns generated. The tracker answers an event that breaks this order with an `error_reply` on "
+        "`ns.errors`: subscribe there to see what the cluster refused.",
+        "- **A turn.** `request_id` = `<traj_id>:<turn>`; `prompt_token_ids` is the whole context and `prompt_len` "
+        "its length; leave `sim_output_tokens` and `sim_cacheable_tokens` at 0 (they are for simulated engines "
+        "replaying a recorded workload). Publish with `Nats-Msg-Id: <request_id>#<attempt>`. Subscribe to "
+        "`reply_to` before publishing: chunks are core NATS, and one sent before the subscription is lost.",
+        "- **Affinity.** The next turn goes to `ns.work.prefill.engine.<id>`, `<id>` being the final chunk's "
+        "`prefill_engine` (else its `engine_id`), only while that engine's latest `engine_stats` (`ns.stats.<id>`, "
+        "every second) is under 3 s old, its `role` is `prefill` or `mixed`, `switching` is false and `waiting` "
+        "is at most 8; otherwise to `ns.work.prefill.any`. A turn that lands on the engine holding its prefix "
+        "reports it in `cached_tokens`.",
+        "- **Assembling a stream.** A chunk is identified by (`request_id`, `index`): drop a repeated index; chunks "
+        "may arrive out of order; the stream is complete when every index up to the `finished` chunk's has "
+        "arrived. An `index` 0 from another engine than the one streaming means the request restarted from "
+        "scratch (its engine died and the work was redelivered): discard what came before. A migrated decode "
+        "continues the numbering on its new engine. The final chunk carries `finish_reason`, `prompt_tokens`, "
+        "`cached_tokens`, `prefill_engine` and `error` (non-empty: the engine refused the turn, e.g. a prompt "
+        "longer than the model; do not retry).",
+        "- **Retries.** A turn with no chunk for a long while (the Python SDK waits 120 s) is republished with "
+        "`attempt` + 1, hence a new `Nats-Msg-Id`; the first stream to complete is the result.",
+        "",
         "## Messages",
         "",
     ]

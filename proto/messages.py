@@ -122,7 +122,8 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     affinity_engine: str = ""  # engine that served this trajectory's previous turn ("" = none)
     attempt: NonNegInt = 0  # bumped by the client on a retry; engines de-duplicate on request_id
     submitted_s: float = 0.0
-    # Simulated backend only: the output length the workload prescribes (real engines ignore it).
+    # Simulated backend only: the output length the workload prescribes (real engines ignore it). A trainer leaves
+    # both sim_* fields 0; the rollout driver sets them from a recorded workload (prorsa.client.workload_hint).
     sim_output_tokens: NonNegInt = 0
     # Simulated backend only: prompt tokens cacheable on an engine holding this trajectory's prefix.
     sim_cacheable_tokens: NonNegInt = 0

@@ -14,6 +14,7 @@ import pytest
 import proto
 from prorsa.client import RolloutClient
 from prorsa.client.adapters import MultiTurnWorkflow, VerlServerManager
+from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.rollout.driver import RolloutConfig, RolloutDriver
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.sim.runner import SimConfig, run_simulation
@@ -163,11 +164,11 @@ async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_serv
         streamed = asyncio.Event()
         traj = await client.start_trajectory("victim", task="coding")
         turn = asyncio.create_task(
-            traj.generate(
+            generate_hinted(
+                traj,
                 [],
                 SamplingParams(max_tokens=400),
-                prompt_len=1000,
-                sim_output_tokens=400,
+                WorkloadHint(prompt_len=1000, output_tokens=400),
                 on_tokens=lambda ids: streamed.set(),
             )
         )
@@ -179,7 +180,9 @@ async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_serv
         result = await asyncio.wait_for(turn, 90)
         assert len(result.token_ids) == 400 and result.engine_id == "backup"
         assert result.restarts == 1  # the partial stream of the dead engine was discarded, not duplicated
-        second = await traj.generate([], SamplingParams(max_tokens=20), prompt_len=1500, sim_output_tokens=20)
+        second = await generate_hinted(
+            traj, [], SamplingParams(max_tokens=20), WorkloadHint(prompt_len=1500, output_tokens=20)
+        )
         assert len(second.token_ids) == 20
         await traj.finish(reward=1.0)
     finally:

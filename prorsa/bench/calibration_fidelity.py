@@ -136,9 +136,7 @@ def print_report(console: Console, out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--model", required=True, help="model directory (e.g. built by tiny_model.build_tiny_qwen2)"
-    )
+    p.add_argument("--model", required=True, help="model directory (e.g. written by `prorsa tiny-model DIR`)")
     p.add_argument("--dtype", default="float32", help="engine dtype (float32: fast on CPUs without bf16)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved calibration + workload rounds")
     default = WorkloadSpec()

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -48,6 +49,9 @@ from services.runtime import clock
 from services.runtime.bus import connect, ensure_streams
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from prorsa.client.workload_hint import WorkloadHint
 
 
 class GenerateError(RuntimeError):
@@ -251,17 +255,29 @@ class Trajectory:
         prompt_token_ids: list[int],
         sampling: SamplingParams | dict,
         *,
-        prompt_len: int | None = None,
-        sim_output_tokens: int = 0,
-        sim_cacheable_tokens: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs."""
+        """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs.
+
+        `on_tokens` sees each new batch of output ids as it streams. Raises GenerateError when the engine rejects
+        the turn, TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
+        """
+        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s)
+
+    async def _run_turn(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | dict,
+        hint: WorkloadHint | None,
+        on_tokens: Callable[[list[int]], None] | None,
+        timeout_s: float | None,
+    ) -> GenerateResult:
+        """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
-        n = prompt_len if prompt_len is not None else len(prompt_token_ids)
+        n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
         await self.client.emit(
             TurnSubmitted,
@@ -283,8 +299,8 @@ class Trajectory:
             task=self.task,
             affinity_engine=self.affinity_engine,
             submitted_s=clock.now_s(),
-            sim_output_tokens=sim_output_tokens,
-            sim_cacheable_tokens=sim_cacheable_tokens,
+            sim_output_tokens=hint.output_tokens if hint is not None else 0,
+            sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
         )
         result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s)
         self.results.append(result)

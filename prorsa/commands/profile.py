@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # imported at run time only: the CLI imports every command mo
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("vllm",), default="vllm", help="engine to measure (vLLM only)")
-    p.add_argument("--model", required=True, help="model directory (e.g. one built by tiny_model.py)")
+    p.add_argument(
+        "--model", required=True, help="model directory (e.g. one written by `prorsa tiny-model DIR`)"
+    )
     p.add_argument("--json", default=None, help="write the profile here (default: print it)")
     p.add_argument("--name", default=None, help="profile name (default: calibrated-<model dir name>)")
     p.add_argument("--base", default="cpu-tiny", help="built-in profile for the fields not measured")

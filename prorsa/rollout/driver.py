@@ -26,6 +26,7 @@ import numpy as np
 
 import proto
 from prorsa.client import GenerateError, RolloutClient
+from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
 from prorsa.workload.types import TrajectorySpec
 from proto import PolicyVersionUpdate, SamplingParams
@@ -138,12 +139,11 @@ class RolloutDriver:
             out_tokens = max(1, self._scaled(turn.output_tokens))
             t_submit = self.now_v()
             try:
-                res = await traj.generate(
+                res = await generate_hinted(
+                    traj,
                     ids,
                     SamplingParams(max_tokens=out_tokens, ignore_eos=True, seed=cfg.seed),
-                    prompt_len=context,
-                    sim_output_tokens=out_tokens,
-                    sim_cacheable_tokens=cacheable,
+                    WorkloadHint(prompt_len=context, output_tokens=out_tokens, cacheable_tokens=cacheable),
                     timeout_s=cfg.turn_timeout_s,
                 )
             except GenerateError as exc:
