@@ -3,10 +3,10 @@
 WAPE says how close a forecast is; the user is judged on trajectory and rollout time. So for one configuration
 and one allocator policy spec (default `prorsa`; whatever the spec is, it is run as given), each predictor gets a
 simulated run of its own — `SimConfig(policy=POLICY, forecaster=NAME)` with the live forecast feed
-(`prorsa.sim.forecast_feed`) — and the truth gets the oracle machinery's passes (`prorsa.sim.oracle`): the
+(`prorsa.sim.forecast_feed`) — and the truth gets the truth-fed passes (`prorsa.sim.truth_feed`): the
 `naive` run is recorded (`DemandRecord`), the same policy is run again fed that record's realised demand
 (`TruthForecast`: q10 = q50 = q90 = what happened), up to `MAX_PASSES` times while rollout time improves, and
-the best pass is the truth row (a run fed the true future of a nearby run, as `oracle` does).
+the best pass is the truth row (a run fed the true future of a nearby run, as `--forecaster truth` does).
 Capture = (naive - predictor) / (naive - truth), per figure: the share of the truth's gain over naive that the
 predictor delivers (None when the truth gains nothing). Every run is deterministic, so the table is.
 """
@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from prorsa.sim.oracle import MAX_PASSES, DemandRecord, _PassFeed, first_pass
+from prorsa.sim.truth_feed import MAX_PASSES, DemandRecord, _PassFeed, first_pass
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, run_simulation, simulate
 from services.allocator.policy import make_policy
 from services.runtime.model_profiles import load_profile
