@@ -16,6 +16,7 @@ import pytest
 from nats.errors import NoServersError
 
 from prorsa.client import RolloutClient
+from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.commands.up import wait_healthy
 from prorsa.system import System, SystemConfig
 from proto import SamplingParams, Subjects
@@ -43,13 +44,9 @@ async def test_a_system_with_credentials_runs_turns_for_a_trainer(tmp_path, monk
         await asyncio.sleep(1.0)  # first EngineStats: the second turn is addressed to the first's engine
         traj = await client.start_trajectory(task="coding")
         for turn in range(2):
-            out = await traj.generate(
-                [],
-                SamplingParams(max_tokens=12, ignore_eos=True),
-                prompt_len=600 + 300 * turn,
-                sim_output_tokens=12,
-                sim_cacheable_tokens=0 if turn == 0 else 612,
-                timeout_s=60,
+            hint = WorkloadHint(600 + 300 * turn, output_tokens=12, cacheable_tokens=0 if turn == 0 else 612)
+            out = await generate_hinted(
+                traj, [], SamplingParams(max_tokens=12, ignore_eos=True), hint, timeout_s=60
             )
             assert len(out.token_ids) == 12
         await traj.tool_started("bash")

@@ -98,7 +98,12 @@ async def test_node_client_runs_a_multi_turn_trajectory(node: str, tmp_path, mon
     monkeypatch.setenv("PRORSA_TIME_SCALE", "20")  # the services, the engines and the Node client share it
     # Colocated engines keep their role, so which engine holds the prefix after each turn is certain.
     config = SystemConfig(
-        engines=2, extra_service_args={"allocator": ["--policy", "colocated"]}, log_dir=str(tmp_path)
+        # An open server: this test is about the trainer's use of the subjects, not credentials (the Node
+        # client carries no nkey support yet; tests/test_bus_security*.py cover auth).
+        auth=False,
+        engines=2,
+        extra_service_args={"allocator": ["--policy", "colocated"]},
+        log_dir=str(tmp_path),
     )
     system = System(config).start()
     nc = None
