@@ -388,7 +388,7 @@ class HealthRequest(Message, frozen=True, kw_only=True):
 class HealthReply(Message, frozen=True, kw_only=True):
     service: str  # "engine_agent" | "trajectory_tracker" | "forecaster" | "allocator"
     instance_id: str
-    status: Literal["ok", "degraded", "stopping"]
+    status: Literal["ok", "degraded", "stopping", "unhealthy"]  # unhealthy: a task of the service died
     uptime_s: NonNegFloat
     ts_s: float
     details: dict[str, Any] = {}

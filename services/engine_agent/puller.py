@@ -37,6 +37,7 @@ from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime import clock
+from services.runtime.bus import WORK_MAX_DELIVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class WorkPuller:
                     ack_policy=AckPolicy.EXPLICIT,
                     ack_wait=self.config.ack_wait_s,
                     max_ack_pending=self.config.max_ack_pending,
+                    max_deliver=WORK_MAX_DELIVER,
                     filter_subject=subject,
                 )
                 self.subs[(kind, own)] = await js.pull_subscribe(

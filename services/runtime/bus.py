@@ -23,6 +23,11 @@ from nats.js.errors import BadRequestError, NotFoundError
 from proto import Subjects
 
 DEFAULT_EVENTS_MAX_AGE_S = 6 * 3600.0
+# Deliveries of one message to a consumer at most (JetStream's `max_deliver`): a message that keeps failing is not
+# redelivered forever. Work counts every redelivery after an engine died holding it, so its bound leaves room for
+# many kills; an event only fails to apply through our bug, so a few tries are enough.
+WORK_MAX_DELIVER = 20
+EVENTS_MAX_DELIVER = 5
 
 
 def nats_url_from_env(explicit: str | None = None) -> str | None:

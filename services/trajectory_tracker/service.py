@@ -29,6 +29,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, ErrorReply, Message
 from services.runtime import clock
+from services.runtime.bus import EVENTS_MAX_DELIVER
 from services.runtime.service import Service
 from services.trajectory_tracker.core import BENIGN_KINDS, Rejection, TrackerConfig, TrackerCore
 
@@ -68,6 +69,7 @@ class TrackerService(Service):
             ack_policy=AckPolicy.EXPLICIT,
             filter_subjects=self.subjects.events_stream_subjects,
             inactive_threshold=self.consumer_inactive_s,
+            max_deliver=EVENTS_MAX_DELIVER,
             max_ack_pending=max(1024, 4 * self.fetch_batch),
         )
         self._psub = await self.js.pull_subscribe(
