@@ -43,7 +43,7 @@ from services.runtime.bus import WORK_MAX_DELIVER
 @dataclass(frozen=True, slots=True)
 class PullConfig:
     # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = 3.0
     own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues
     any_poll_s: float = 0.25  # long poll of every queue (a fetch returns as soon as a message arrives)
     room_wait_s: float = 0.25  # a loop without room rechecks at least this often (estimates move)
