@@ -18,7 +18,8 @@ Subjects (ns = namespace):
   ns.policy.version                PolicyVersionUpdate
   ns.health                        HealthRequest → one HealthReply per live service instance
   ns.errors                        ErrorReply for bad input that had no reply subject
-  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client; any subject works)
+  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client; any subject works, and
+                                   under ns.reply. they are also kept for minutes: stream REPLIES)
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class Subjects:
     @property
     def events_stream(self) -> str:
         return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_EVENTS"
+
+    @property
+    def replies_stream(self) -> str:
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_REPLIES"
+
+    @property
+    def replies_stream_subjects(self) -> list[str]:
+        return [f"{self.namespace}.reply.>"]
 
     @property
     def work_stream_subjects(self) -> list[str]:

@@ -172,7 +172,8 @@ class EngineAgent(Service):
         self._event_seq += 1
         msg = cls(engine_id=self.engine_id, ts_s=clock.now_s(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
         try:
-            await self.js_publish(self.subjects.engine_events(self.engine_id), msg)
+            # A short wait: an event is an observation, and a job waiting on it holds its stream meanwhile.
+            await self.js_publish(self.subjects.engine_events(self.engine_id), msg, wait_s=5.0)
         except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
             self.metrics.count_error("event_publish")
             self.log.warning("event_publish_failed", event=type(msg).__name__, error=repr(exc))

@@ -35,11 +35,12 @@ from nats.js import JetStreamContext
 
 import proto
 from proto import ErrorReply, HealthReply, HealthRequest, Message, ProtoError, Subjects
-from services.runtime.bus import connect, ensure_streams
+from services.runtime.bus import connect, ensure_streams, is_queue_full, js_publish_patiently
 from services.runtime.logging import get_logger
 from services.runtime.metrics import ServiceMetrics
 
 Handler = Callable[[Message, Msg], Awaitable[None]]
+PUBLISH_WAIT_S = 30.0  # wall seconds a stream publish waits for room or for the server before it fails
 
 
 class Service:
@@ -165,11 +166,19 @@ class Service:
         await self.nc.publish(subject, proto.encode(msg), reply=reply)
         self.metrics.count_out(subject)
 
-    async def js_publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
-        """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries)."""
+    async def js_publish(
+        self, subject: str, msg: Message, msg_id: str | None = None, wait_s: float = PUBLISH_WAIT_S
+    ) -> None:
+        """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries). A full work
+        queue or a server restart is waited out for up to `wait_s` wall seconds (counted as `publish_retry`); then
+        the error is raised."""
         assert self.js is not None
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        await self.js.publish(subject, proto.encode(msg), headers=headers)
+
+        def on_retry(exc: BaseException) -> None:
+            self.metrics.count_error("queue_full" if is_queue_full(exc) else "publish_retry")
+
+        await js_publish_patiently(self.js, subject, proto.encode(msg), headers, wait_s, on_retry)
         self.metrics.count_out(subject)
 
     async def receive(self, msg: Msg, expected: Any = None) -> Message | None:
