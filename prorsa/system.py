@@ -62,6 +62,7 @@ class System:
         self.supervisor = supervisor or Supervisor()
         self.url = config.nats_url or ""
         self._dead: set[str] = set()  # exits already reported to the supervisor, restart pending
+        self.held: set[str] = set()  # children not restarted for now (the fault campaign's "no replacement")
         self._stopping = False
 
     def start(self) -> System:
@@ -138,7 +139,7 @@ class System:
                 self._dead.add(key)
                 events.append(self.supervisor.exited(key, rc if rc is not None else -1, now))
         for key in self.supervisor.due(now):
-            if key not in self._dead:
+            if key not in self._dead or key in self.held:
                 continue
             self._dead.discard(key)
             if key == NATS_KEY:

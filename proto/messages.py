@@ -226,6 +226,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     error: str = (
         ""  # final chunk of a failed request: why (finish_reason "error"); the client does not retry it
     )
+    # The request's `attempt`: chunk boundaries depend on timing, so a client assembles each attempt on its own
+    # and never splices the chunks of two attempts into one stream.
+    attempt: NonNegInt = 0
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):

@@ -163,3 +163,23 @@ async def test_a_full_queue_refuses_and_the_client_backs_off_without_dropping(
             await agent.stop()
     finally:
         await client.close()
+
+
+def test_a_retry_is_assembled_on_its_own_never_spliced_into_the_first_attempt() -> None:
+    from prorsa.client.stream import StreamAssembler
+    from proto import TokenChunk
+
+    def chunk(attempt: int, index: int, ids: list[int], final: bool = False) -> TokenChunk:
+        return TokenChunk(
+            request_id="r", index=index, token_ids=ids, finished=final, engine_id="e0", attempt=attempt
+        )
+
+    a = StreamAssembler("r")
+    # Attempt 0 lost its chunk 1 in a server restart; the early retry streams from the same engine with other
+    # chunk boundaries. Index 1 of attempt 1 must not fill attempt 0's hole.
+    assert a.add(chunk(0, 0, [1, 2])) is None
+    assert a.add(chunk(0, 2, [5], final=True)) is None
+    assert a.add(chunk(1, 0, [1])) is None
+    assert a.add(chunk(1, 1, [2, 3, 4])) is None
+    res = a.add(chunk(1, 2, [5], final=True))
+    assert res is not None and res.token_ids == [1, 2, 3, 4, 5]

@@ -176,7 +176,7 @@ class EngineAgent(Service):
             await self.js_publish(self.subjects.engine_events(self.engine_id), msg, wait_s=5.0)
         except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
             self.metrics.count_error("event_publish")
-            self.log.warning("event_publish_failed", event=type(msg).__name__, error=repr(exc))
+            self.log.warning("event_publish_failed", message_type=type(msg).__name__, error=repr(exc))
 
     # -- role switches -------------------------------------------------------------------------------------------
 

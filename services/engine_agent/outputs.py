@@ -63,6 +63,7 @@ def token_chunk(
         finished=final,
         finish_reason=reason,
         engine_id=engine_id,
+        attempt=req.attempt,
         **extra,
     )
 
@@ -78,6 +79,7 @@ def error_chunk(request: GenerateRequest, index: int, error: str, engine_id: str
         engine_id=engine_id,
         prompt_tokens=request.prompt_len,
         error=error,
+        attempt=request.attempt,
     )
 
 

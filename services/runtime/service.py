@@ -287,6 +287,7 @@ class Service:
         }
         if self.failed_tasks:
             details["failed_tasks"] = dict(self.failed_tasks)
+        details["consumed"] = sorted(set(self.consumed))  # what the fault campaign floods and expects counted
         details.update(self.health_details())
         reply = HealthReply(
             service=self.name,

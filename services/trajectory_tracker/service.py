@@ -87,6 +87,7 @@ class TrackerService(Service):
         self._psub = await self.js.pull_subscribe(
             self.subjects.lifecycle, stream=self.subjects.events_stream, config=config
         )
+        self.consumed += self.subjects.events_stream_subjects
         self.spawn(
             self.pull_loop(self._psub, self._on_event, EVENT_TYPES, batch=self.fetch_batch), name="events"
         )
