@@ -24,6 +24,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("rollout", "prorsa.commands.rollout", "agentic RL rollout over the live system"),
     ("profile", "prorsa.commands.profile", "measure a real engine and write a simulator profile"),
+    (
+        "chaos",
+        "prorsa.commands.chaos",
+        "fault campaign: kill engines, services, nats-server; flood hostile input",
+    ),
 )
 
 

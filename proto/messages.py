@@ -229,6 +229,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     # The request's `attempt`: chunk boundaries depend on timing, so a client assembles each attempt on its own
     # and never splices the chunks of two attempts into one stream.
     attempt: NonNegInt = 0
+    # One execution of the stream (an engine's job; "" from older senders): chunk 0 of another execution means the
+    # stream restarted from scratch (its engine died and the work was redelivered), even on an engine of the same id.
+    stream: str = ""
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):

@@ -183,3 +183,22 @@ def test_a_retry_is_assembled_on_its_own_never_spliced_into_the_first_attempt() 
     assert a.add(chunk(1, 1, [2, 3, 4])) is None
     res = a.add(chunk(1, 2, [5], final=True))
     assert res is not None and res.token_ids == [1, 2, 3, 4, 5]
+
+
+def test_a_replacement_engine_with_the_same_id_restarts_the_stream() -> None:
+    from prorsa.client.stream import StreamAssembler
+    from proto import TokenChunk
+
+    def chunk(stream: str, index: int, ids: list[int], final: bool = False) -> TokenChunk:
+        return TokenChunk(
+            request_id="r", index=index, token_ids=ids, finished=final, engine_id="engine-0", stream=stream
+        )
+
+    a = StreamAssembler("r")
+    # engine-0 streamed two chunks and was killed; its replacement (same id) runs the redelivered request from
+    # scratch with other chunk boundaries: its chunk 0 restarts the stream instead of being dropped as a duplicate.
+    assert a.add(chunk("dead", 0, [1])) is None and a.add(chunk("dead", 1, [2, 3])) is None
+    assert a.add(chunk("new", 0, [1, 2])) is None
+    assert a.add(chunk("new", 1, [3, 4])) is None
+    res = a.add(chunk("new", 2, [5], final=True))
+    assert res is not None and res.token_ids == [1, 2, 3, 4, 5] and res.restarts == 1

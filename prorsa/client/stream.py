@@ -4,8 +4,9 @@ Pure (no I/O). The rules, which make redelivery, migration and client retries ha
 - a chunk is identified by (request_id, index); a duplicate index is dropped;
 - chunks may arrive out of order; the stream is read in index order, and it is complete when every index up to
   the final chunk's has arrived;
-- a chunk with index 0 from an engine other than the one streaming means the request restarted from scratch (its
-  first engine died and JetStream redelivered it): everything received so far is discarded;
+- a chunk with index 0 from another execution (`TokenChunk.stream`; from older engines: another engine id) than
+  the one streaming means the request restarted from scratch (its engine died and JetStream redelivered it, maybe
+  to a replacement with the same id): everything received so far is discarded;
 - a migrated request continues on another engine from `next_chunk_index`, so its chunks simply follow on;
 - each attempt (`TokenChunk.attempt`: a client retry) is assembled on its own: chunk boundaries depend on timing,
   so index k of one attempt need not hold the tokens of index k of another; the first attempt to complete is the
@@ -43,8 +44,16 @@ class _Attempt:
 
     chunks: dict[int, TokenChunk] = field(default_factory=dict)
     engine_id: str = ""
+    stream: str = ""  # the execution chunk 0 came from
     final_index: int | None = None
     restarts: int = 0
+
+    def restarted_by(self, chunk: TokenChunk) -> bool:
+        if chunk.index != 0 or 0 not in self.chunks:
+            return False
+        if chunk.stream and self.stream:
+            return chunk.stream != self.stream
+        return bool(self.engine_id) and chunk.engine_id != self.engine_id
 
     def complete(self) -> bool:
         f = self.final_index
@@ -87,7 +96,7 @@ class StreamAssembler:
             return None
         self.latest = max(self.latest, chunk.attempt)
         a = self.attempts.setdefault(chunk.attempt, _Attempt())
-        if chunk.index == 0 and a.engine_id and chunk.engine_id != a.engine_id and 0 in a.chunks:
+        if a.restarted_by(chunk):
             a.chunks.clear()
             a.final_index = None
             a.restarts += 1
@@ -97,6 +106,8 @@ class StreamAssembler:
         a.chunks[chunk.index] = chunk
         if chunk.index == 0 or not a.engine_id:
             a.engine_id = chunk.engine_id
+        if chunk.index == 0:
+            a.stream = chunk.stream
         if chunk.finished:
             a.final_index = chunk.index
         if not a.complete():

@@ -64,6 +64,7 @@ def token_chunk(
         finish_reason=reason,
         engine_id=engine_id,
         attempt=req.attempt,
+        stream=job.stream_tag,
         **extra,
     )
 
