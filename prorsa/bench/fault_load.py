@@ -48,7 +48,8 @@ class Load:
     turns_done: list[float] = field(default_factory=list)  # wall time of each good result
     lost_turns: list[tuple[float, str, str]] = field(default_factory=list)  # (when, request_id, why)
     wrong_results: list[tuple[float, str]] = field(default_factory=list)  # (when, request_id)
-    chunks: dict[str, list[tuple[float, str]]] = field(default_factory=lambda: defaultdict(list))
+    # request_id -> (wall time, engine id, execution tag) of every chunk seen
+    chunks: dict[str, list[tuple[float, str, str]]] = field(default_factory=lambda: defaultdict(list))
     finished_events: Counter[str] = field(default_factory=Counter)  # request_id -> RequestFinished seen
     recomputed: list[tuple[float, str]] = field(default_factory=list)  # (when, request_id) finished twice
     _ids: Any = field(default_factory=itertools.count)
@@ -62,7 +63,7 @@ class Load:
                 c = proto.decode_as(msg.data, TokenChunk, msg.subject)
             except proto.ProtoError:
                 return
-            self.chunks[c.request_id].append((time.monotonic(), c.engine_id))
+            self.chunks[c.request_id].append((time.monotonic(), c.engine_id, c.stream))
 
         async def on_event(msg: Any) -> None:
             try:
@@ -147,22 +148,31 @@ class Load:
                 out.append(rid)
         return out
 
-    async def progress_after(self, request_ids: list[str], t0: float, timeout_s: float) -> float | None:
-        """Wall seconds from `t0` until every request in `request_ids` got a chunk after `t0` or ended; None if one
-        of them did not within `timeout_s` (stuck)."""
+    async def progress_after(
+        self, request_ids: list[str], t0: float, timeout_s: float, new_execution: bool = False
+    ) -> float | None:
+        """Wall seconds from `t0` until every request in `request_ids` got a chunk after `t0` (with
+        `new_execution`: from another execution than its last one before — the chunks a killed engine had sent
+        before it died do not count) or ended; None if one of them did not within `timeout_s` (stuck)."""
+        before = {r: self.chunks[r][-1][2] if self.chunks.get(r) else None for r in request_ids}
         deadline = t0 + timeout_s
+        moved: dict[str, float] = {}
         while True:
             now = time.monotonic()
-            todo = [r for r in request_ids if not self._moved(r, t0)]
-            if not todo:
-                moments = [self._moved(r, t0) for r in request_ids]
-                return max((m for m in moments if m is not None), default=now) - t0
+            for r in request_ids:
+                if (
+                    r not in moved
+                    and (m := self._moved(r, t0, before[r] if new_execution else None)) is not None
+                ):
+                    moved[r] = m
+            if len(moved) == len(request_ids):
+                return max(moved.values(), default=now) - t0
             if now > deadline:
                 return None
             await asyncio.sleep(0.05)
 
-    def _moved(self, request_id: str, t0: float) -> float | None:
-        after = [t for t, _ in self.chunks.get(request_id, []) if t > t0]
+    def _moved(self, request_id: str, t0: float, old_execution: str | None) -> float | None:
+        after = [t for t, _, tag in self.chunks.get(request_id, []) if t > t0 and tag != old_execution]
         if after:
             return after[0]
         pending = self.client._pending.get(request_id)

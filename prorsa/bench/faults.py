@@ -26,17 +26,17 @@ import argparse
 import asyncio
 import json
 import signal
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
 
 import proto
 from prorsa.bench.fault_load import Load, LoadShape
-from prorsa.bench.hostile import flood
+from prorsa.bench.fault_report import build_report, format_table
+from prorsa.bench.hostile import flood, flood_subjects, in_stream, odd, receivers
 from prorsa.client import RolloutClient
 from prorsa.health import gather_health
 from prorsa.supervisor import Exit, Supervisor
@@ -138,9 +138,16 @@ class Campaign:
         with time_scale_set(cfg.speedup):
             self.system.start()
             supervision = asyncio.create_task(self._supervise())
+            loop = asyncio.get_running_loop()
+            main = asyncio.current_task()
+            assert main is not None
+            for sig in (signal.SIGINT, signal.SIGTERM):  # stop the campaign, never orphan its system
+                loop.add_signal_handler(sig, main.cancel)
             try:
                 return await self._run()
             finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
                 supervision.cancel()
                 self.system.stop()
 
@@ -167,7 +174,9 @@ class Campaign:
             "early_retries": self.client.early_retries,
         }
         await self.client.close()
-        return self.report(unfinished, stats)
+        return build_report(
+            self.config, self.tries, self.load, unfinished, stats, time.monotonic() - self.t_start
+        )
 
     async def _one(self, name: str, i: int) -> None:
         if bad := await self.wait_healthy():
@@ -227,7 +236,9 @@ class Campaign:
         t0 = time.monotonic()
         self.system.signal(victim, sig)
         attempt = Try(name, victim, t0)
-        attempt.recovery_s = await self.load.progress_after(stranded, t0, self.config.recovery_timeout_s)
+        attempt.recovery_s = await self.load.progress_after(
+            stranded, t0, self.config.recovery_timeout_s, new_execution=True
+        )
         if stranded and attempt.recovery_s is None:
             attempt.stuck.append("stranded work")
         attempt.note = f"{len(stranded)} streaming on it"
@@ -273,15 +284,25 @@ class Campaign:
         return attempt
 
     async def _hostile(self, name: str) -> Try:
-        before = await self.health()
-        subjects = _flood_subjects(before, self.client.subjects)
+        subjects = flood_subjects(await self.health(), self.client.subjects)
         attempt = Try(name, f"{len(subjects)} subjects", time.monotonic())
-        baseline = sum(int(r.details.get("bad_input", 0)) for r in before)
         attacker = await nats.connect(self.system.url)
         js = attacker.jetstream()
+        # First the odd values (they decode; a receiver may accept or refuse them, so they are not counted).
+        for subject in subjects:
+            for _kind, data in odd(subject):
+                await (
+                    js.publish(subject, data)
+                    if in_stream(subject, self.client.subjects)
+                    else attacker.publish(subject, data)
+                )
+        await attacker.flush()
+        await asyncio.sleep(2.0)
+        before = await self.health()
+        baseline = sum(int(r.details.get("bad_input", 0)) for r in before)
         sent: list[str] = []
         for k, (subject, _kind, data) in enumerate(flood(subjects, self.config.hostile_messages)):
-            if _in_stream(subject, self.client.subjects):
+            if in_stream(subject, self.client.subjects):
                 try:
                     await js.publish(subject, data)
                 except (nats.errors.Error, TypeError, KeyError):
@@ -296,7 +317,7 @@ class Campaign:
         await attacker.flush()
         await attacker.close()
         attempt.sent = len(sent)
-        attempt.expected_count = sum(_receivers(s, before) for s in sent)
+        attempt.expected_count = sum(receivers(s, before) for s in sent)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             now = await self.health()
@@ -353,61 +374,6 @@ class Campaign:
         )
         return attempt
 
-    # --- the report -------------------------------------------------------------------------------------------
-    def report(self, unfinished: list[str], client_stats: dict[str, int]) -> dict[str, Any]:
-        load = self.load
-        starts = [t.t0 for t in self.tries]
-        rows = []
-        for name in scenario_names():
-            mine = [t for t in self.tries if t.scenario == name]
-            if not mine:
-                continue
-            windows = [(t.t0, _next(starts, t.t0)) for t in mine]
-
-            def within(ts: float, windows: list[tuple[float, float]] = windows) -> bool:
-                return any(a <= ts < b for a, b in windows)
-
-            recs = [t.recovery_s for t in mine if t.recovery_s is not None]
-            rows.append(
-                {
-                    "fault": name,
-                    "tries": len(mine),
-                    "trajectories_lost": sum(
-                        1 for when, _ in load.lost_trajectories.values() if within(when)
-                    ),
-                    "turns_lost": sum(1 for when, _, _ in load.lost_turns if within(when)),
-                    "duplicated_results": sum(1 for when, _ in load.wrong_results if within(when)),
-                    "recomputed_turns": sum(1 for when, _ in load.recomputed if within(when)),
-                    "recovery_p50_s": statistics.median(recs) if recs else None,
-                    "recovery_max_s": max(recs) if recs else None,
-                    "crashed": sum(len(t.crashed) for t in mine),
-                    "stuck": sum(len(t.stuck) for t in mine),
-                    "hostile_sent": sum(t.sent for t in mine) if name == "hostile-flood" else None,
-                    "hostile_counted": sum(t.counted for t in mine) if name == "hostile-flood" else None,
-                    "hostile_expected": sum(t.expected_count for t in mine)
-                    if name == "hostile-flood"
-                    else None,
-                    "notes": sorted({t.note for t in mine if t.note})[:3],
-                }
-            )
-        return {
-            "config": {**asdict(self.config), "load": asdict(self.config.load)},
-            "rows": rows,
-            "tries": [asdict(t) for t in self.tries],
-            "totals": {
-                "trajectories_started": len(load.started),
-                "trajectories_finished": len(load.finished),
-                "trajectories_lost": len(load.lost_trajectories) + len(unfinished),
-                "unfinished_at_end": unfinished,
-                "turns_done": len(load.turns_done),
-                "turns_lost": len(load.lost_turns),
-                "wrong_results": len(load.wrong_results),
-                "recomputed_turns": len(load.recomputed),
-                "wall_s": time.monotonic() - self.t_start,
-                **client_stats,
-            },
-        }
-
 
 def _ok(r: proto.HealthReply) -> bool:
     if r.status != "ok":
@@ -415,91 +381,7 @@ def _ok(r: proto.HealthReply) -> bool:
     return bool(r.details.get("caught_up", True))
 
 
-def _next(starts: list[float], t0: float) -> float:
-    later = [s for s in starts if s > t0]
-    return min(later) if later else float("inf")
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
-
-
-def _in_stream(subject: str, s: Subjects) -> bool:
-    return subject.startswith(f"{s.namespace}.work.") or any(
-        _matches(p, subject) for p in s.events_stream_subjects
-    )
-
-
-def _flood_subjects(replies: list[proto.HealthReply], s: Subjects) -> list[str]:
-    """Every subject some service consumes (wildcards filled with an engine id), plus health."""
-    out = {s.health}
-    for r in replies:
-        for pattern in r.details.get("consumed", []):
-            out.add(pattern.replace(".*", ".engine-0").replace(".>", ".x"))
-    return sorted(out)
-
-
-def _receivers(subject: str, replies: list[proto.HealthReply]) -> int:
-    """How many services count one bad message on `subject`: one for a work queue (a single engine takes it),
-    every instance for health, else every instance that consumes a matching subject."""
-    if subject.endswith(".health"):
-        return len(replies)
-    n = sum(1 for r in replies if any(_matches(p, subject) for p in r.details.get("consumed", [])))
-    return min(n, 1) if ".work." in subject else n
-
-
 # --- printing and the command line ---------------------------------------------------------------------------
-COLUMNS = (
-    ("fault", "fault"),
-    ("tries", "tries"),
-    ("trajectories_lost", "traj lost"),
-    ("turns_lost", "turns lost"),
-    ("duplicated_results", "dup results"),
-    ("recomputed_turns", "recomputed"),
-    ("recovery_p50_s", "recovery p50 s"),
-    ("recovery_max_s", "recovery max s"),
-    ("crashed", "crashed"),
-    ("stuck", "stuck"),
-)
-
-
-def format_table(report: dict[str, Any], markdown: bool = False) -> str:
-    def cell(v: Any) -> str:
-        if v is None:
-            return "–"
-        return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-    head = [h for _, h in COLUMNS]
-    body = [[cell(row[k]) for k, _ in COLUMNS] for row in report["rows"]]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in body]
-    else:
-        widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(head)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
-    for row in report["rows"]:
-        if row["hostile_sent"] is not None:
-            lines.append(
-                f"hostile: {row['hostile_sent']} sent, {row['hostile_counted']} counted as bad input "
-                f"(expected {row['hostile_expected']}: one per receiving service)"
-            )
-    t = report["totals"]
-    lines.append(
-        f"totals: {t['trajectories_finished']}/{t['trajectories_started']} trajectories finished, "
-        f"{t['trajectories_lost']} lost, {t['turns_done']} turns, {t['wrong_results']} wrong results, "
-        f"{t['recomputed_turns']} recomputed, client: {t['refused']} refused publishes, "
-        f"{t['replayed_chunks']} chunks replayed, {t['early_retries']} early retries; {t['wall_s']:.0f} s wall"
-    )
-    return "\n".join(lines)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--speedup", type=float, default=10.0)

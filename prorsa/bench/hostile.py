@@ -31,6 +31,7 @@ from proto import (
     PrefillDone,
     RoleSwitchAck,
     RoleSwitchCommand,
+    Subjects,
     TrajectoryStarted,
 )
 from proto.examples import EXAMPLES
@@ -121,9 +122,48 @@ def odd(subject: str) -> list[tuple[str, bytes]]:
 
 
 def flood(subjects: list[str], total: int) -> Iterator[tuple[str, str, bytes]]:
-    """`total` malformed messages as (subject, payload name, bytes), cycling through subjects and payloads."""
+    """`total` malformed messages as (subject, payload name, bytes), cycling through subjects and payloads; the
+    1 MB payload only in the first cycle on each subject (a campaign of thousands must not move gigabytes)."""
     catalogue = {s: malformed(s) for s in subjects}
+    small = {s: [(n, b) for n, b in c if n != "one_mb"] for s, c in catalogue.items()}
     for i in range(total):
         subject = subjects[i % len(subjects)]
-        name, data = catalogue[subject][(i // len(subjects)) % len(catalogue[subject])]
+        cycle = i // len(subjects)
+        full = catalogue[subject]
+        name, data = full[cycle] if cycle < len(full) else small[subject][cycle % len(small[subject])]
         yield subject, name, data
+
+
+# --- where to flood, and how many counts to expect -----------------------------------------------------------
+def matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def in_stream(subject: str, s: Subjects) -> bool:
+    return subject.startswith(f"{s.namespace}.work.") or any(
+        matches(p, subject) for p in s.events_stream_subjects
+    )
+
+
+def flood_subjects(replies: list[proto.HealthReply], s: Subjects) -> list[str]:
+    """Every subject some service consumes (wildcards filled with an engine id), plus health."""
+    out = {s.health}
+    for r in replies:
+        for pattern in r.details.get("consumed", []):
+            out.add(pattern.replace(".*", ".engine-0").replace(".>", ".x"))
+    return sorted(out)
+
+
+def receivers(subject: str, replies: list[proto.HealthReply]) -> int:
+    """How many services count one bad message on `subject`: one for a work queue (a single engine takes it),
+    every instance for health, else every instance that consumes a matching subject."""
+    if subject.endswith(".health"):
+        return len(replies)
+    n = sum(1 for r in replies if any(matches(p, subject) for p in r.details.get("consumed", [])))
+    return min(n, 1) if ".work." in subject else n
