@@ -236,9 +236,10 @@ class Campaign:
         t0 = time.monotonic()
         self.system.signal(victim, sig)
         attempt = Try(name, victim, t0)
-        attempt.recovery_s = await self.load.progress_after(
-            stranded, t0, self.config.recovery_timeout_s, new_execution=True
-        )
+        if stranded:  # else nothing of its work was in flight: no recovery to measure (n/a, not 0)
+            attempt.recovery_s = await self.load.progress_after(
+                stranded, t0, self.config.recovery_timeout_s, new_execution=True
+            )
         if stranded and attempt.recovery_s is None:
             attempt.stuck.append("stranded work")
         attempt.note = f"{len(stranded)} streaming on it"
@@ -258,7 +259,10 @@ class Campaign:
         while not self.system.embedded.running and time.monotonic() < t0 + 30:
             await asyncio.sleep(0.02)  # the supervisor restarts it
         back = time.monotonic()
-        attempt.recovery_s = await self.load.progress_after(streaming, back, self.config.recovery_timeout_s)
+        if streaming:
+            attempt.recovery_s = await self.load.progress_after(
+                streaming, back, self.config.recovery_timeout_s
+            )
         if streaming and attempt.recovery_s is None:
             attempt.stuck.append("streams")
         attempt.note = f"down {back - t0:.1f} s, {len(streaming)} streaming"
