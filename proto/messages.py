@@ -232,6 +232,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     # One execution of the stream (an engine's job; "" from older senders): chunk 0 of another execution means the
     # stream restarted from scratch (its engine died and the work was redelivered), even on an engine of the same id.
     stream: str = ""
+    # The index this execution started at: 0 for a run from scratch, the predecessor's next index for a migrated
+    # request. Lets a client follow one chain of executions and ignore a concurrent duplicate run.
+    stream_base: NonNegInt = 0
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):

@@ -202,3 +202,32 @@ def test_a_replacement_engine_with_the_same_id_restarts_the_stream() -> None:
     assert a.add(chunk("new", 1, [3, 4])) is None
     res = a.add(chunk("new", 2, [5], final=True))
     assert res is not None and res.token_ids == [1, 2, 3, 4, 5] and res.restarts == 1
+
+
+def test_a_concurrent_duplicate_run_is_ignored_and_a_migration_followed() -> None:
+    from prorsa.client.stream import StreamAssembler
+    from proto import TokenChunk
+
+    def chunk(stream: str, base: int, index: int, ids: list[int], final: bool = False) -> TokenChunk:
+        return TokenChunk(
+            request_id="r",
+            index=index,
+            token_ids=ids,
+            finished=final,
+            engine_id=stream,
+            stream=stream,
+            stream_base=base,
+        )
+
+    a = StreamAssembler("r")
+    assert a.add(chunk("A", 0, 0, [1])) is None
+    assert a.add(chunk("A", 0, 1, [2])) is None
+    # A redelivery ran the request a second time on engine B, from scratch: B's chunk 0 restarts the stream;
+    # from then on A's chunks (other boundaries) are ignored, never spliced in.
+    assert a.add(chunk("B", 0, 0, [1, 2, 3])) is None
+    assert a.add(chunk("A", 0, 2, [3])) is None
+    # B is migrated (role switch): C continues from B's next index.
+    assert a.add(chunk("C", 1, 1, [4])) is None
+    assert a.add(chunk("A", 0, 3, [4, 5], final=True)) is None
+    res = a.add(chunk("C", 1, 2, [5], final=True))
+    assert res is not None and res.token_ids == [1, 2, 3, 4, 5]

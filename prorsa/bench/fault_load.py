@@ -25,6 +25,9 @@ from prorsa.client.client import ClusterSaturated
 from proto import RequestFinished, SamplingParams, TokenChunk
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.runtime import clock
+from services.runtime.logging import get_logger
+
+log = get_logger("fault_load", "campaign")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +117,20 @@ class Load:
                 await traj.finish(status="aborted")
                 return
             tokens = SimTokens(request_id)
-            if res.token_ids != [tokens.at(i)[0] for i in range(sh.output_tokens)]:
+            want = [tokens.at(i)[0] for i in range(sh.output_tokens)]
+            if res.token_ids != want:
                 self.wrong_results.append((time.monotonic(), request_id))
+                first = next(
+                    (i for i, (x, y) in enumerate(zip(res.token_ids, want, strict=False)) if x != y), None
+                )
+                log.warning(
+                    "wrong_result",
+                    request_id=request_id,
+                    tokens=len(res.token_ids),
+                    first_mismatch=first,
+                    restarts=res.restarts,
+                    executions=sorted({tag for _, _, tag in self.chunks.get(request_id, [])}),
+                )
             self.turns_done.append(time.monotonic())
             context += len(res.token_ids)
             if k + 1 < sh.turns:

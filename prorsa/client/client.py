@@ -82,7 +82,10 @@ class _Pending:
     done: asyncio.Future[GenerateResult]
     last_progress_mono: float
     on_tokens: Callable[[list[int]], None] | None = None
-    early_retried: bool = False  # one early retry per request (`_broken`); later ones wait retry_after_s
+    # When this request was last retried early (`_broken`), as the reconnect time it followed (-1: after a hole
+    # without reconnect): one early retry per outage, later ones wait retry_after_s.
+    early_retried_after: float | None = None
+    retry_was_early: bool = False  # why `_wait` last gave up: an outage's hole (True) or a stall
 
 
 class RolloutClient:
@@ -211,7 +214,8 @@ class RolloutClient:
         self._pending[request.request_id] = pending
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
-            for attempt in range(self.max_attempts):
+            stalls = 0  # retries after retry_after_s without progress; outage retries do not count
+            for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
                 await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline)
                 pending.last_progress_mono = time.monotonic()
@@ -220,6 +224,9 @@ class RolloutClient:
                     if result.error:
                         raise GenerateError(result.error)
                     return result
+                stalls += int(not pending.retry_was_early)
+                if stalls >= self.max_attempts:
+                    break
             raise TimeoutError(
                 f"request {request.request_id} made no progress after {self.max_attempts} attempts"
             )
@@ -235,9 +242,12 @@ class RolloutClient:
                 raise TimeoutError(f"request {pending.assembler.request_id} timed out")
             wait = self.retry_after_s - (now - pending.last_progress_mono)
             if wait <= 0:
+                pending.retry_was_early = False
                 return None
-            if not pending.early_retried and self._broken(pending, now):
-                pending.early_retried = True
+            outage = self._reconnected_mono if self._reconnected_mono is not None else -1.0
+            if pending.early_retried_after != outage and self._broken(pending, now):
+                pending.early_retried_after = outage
+                pending.retry_was_early = True
                 self.early_retries += 1
                 log.info("stream_retried_after_outage", request_id=pending.assembler.request_id)
                 return None

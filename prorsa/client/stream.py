@@ -4,10 +4,13 @@ Pure (no I/O). The rules, which make redelivery, migration and client retries ha
 - a chunk is identified by (request_id, index); a duplicate index is dropped;
 - chunks may arrive out of order; the stream is read in index order, and it is complete when every index up to
   the final chunk's has arrived;
-- a chunk with index 0 from another execution (`TokenChunk.stream`; from older engines: another engine id) than
-  the one streaming means the request restarted from scratch (its engine died and JetStream redelivered it, maybe
-  to a replacement with the same id): everything received so far is discarded;
-- a migrated request continues on another engine from `next_chunk_index`, so its chunks simply follow on;
+- chunks name their execution (`TokenChunk.stream`, one engine job) and where it started (`stream_base`). The
+  stream follows one chain of executions: chunk 0 of a fresh execution (base 0) means the request restarted from
+  scratch (its engine died and JetStream redelivered it, maybe to a replacement with the same id): everything
+  received so far is discarded; a migrated request's execution (base = the next index) continues the chain where
+  the current execution stopped; any other chunk of another execution (a concurrent duplicate run, after a
+  redelivery to a second engine) is ignored, so two runs are never spliced. Chunks from older engines (no
+  `stream`) restart on chunk 0 from another engine id;
 - each attempt (`TokenChunk.attempt`: a client retry) is assembled on its own: chunk boundaries depend on timing,
   so index k of one attempt need not hold the tokens of index k of another; the first attempt to complete is the
   result;
@@ -44,16 +47,23 @@ class _Attempt:
 
     chunks: dict[int, TokenChunk] = field(default_factory=dict)
     engine_id: str = ""
-    stream: str = ""  # the execution chunk 0 came from
+    stream: str = ""  # the execution the stream follows now
     final_index: int | None = None
     restarts: int = 0
 
-    def restarted_by(self, chunk: TokenChunk) -> bool:
-        if chunk.index != 0 or 0 not in self.chunks:
-            return False
-        if chunk.stream and self.stream:
-            return chunk.stream != self.stream
-        return bool(self.engine_id) and chunk.engine_id != self.engine_id
+    def fate(self, chunk: TokenChunk) -> str:
+        """ "take", "restart" (discard what came so far, then take), "switch" (a continuation: take, follow it) or
+        "ignore" (see the module doc)."""
+        if not chunk.stream or not self.stream:  # the first chunk, or an older sender
+            if chunk.index == 0 and 0 in self.chunks and self.engine_id and chunk.engine_id != self.engine_id:
+                return "restart"
+            return "take"
+        if chunk.stream == self.stream:
+            return "take"
+        if chunk.stream_base == 0:
+            return "restart" if chunk.index == 0 else "ignore"
+        top = max(self.chunks, default=-1)
+        return "switch" if chunk.stream_base == top + 1 else "ignore"
 
     def complete(self) -> bool:
         f = self.final_index
@@ -96,7 +106,11 @@ class StreamAssembler:
             return None
         self.latest = max(self.latest, chunk.attempt)
         a = self.attempts.setdefault(chunk.attempt, _Attempt())
-        if a.restarted_by(chunk):
+        fate = a.fate(chunk)
+        if fate == "ignore":
+            self.duplicates += 1
+            return None
+        if fate == "restart":
             a.chunks.clear()
             a.final_index = None
             a.restarts += 1
@@ -106,7 +120,7 @@ class StreamAssembler:
         a.chunks[chunk.index] = chunk
         if chunk.index == 0 or not a.engine_id:
             a.engine_id = chunk.engine_id
-        if chunk.index == 0:
+        if fate != "take" or not a.stream:
             a.stream = chunk.stream
         if chunk.finished:
             a.final_index = chunk.index

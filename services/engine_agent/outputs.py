@@ -65,6 +65,7 @@ def token_chunk(
         engine_id=engine_id,
         attempt=req.attempt,
         stream=job.stream_tag,
+        stream_base=req.next_chunk_index,
         **extra,
     )
 
