@@ -31,6 +31,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "prorsa.commands.tiny_model",
         "write the small random test model for --model (no hub needed)",
     ),
+    (
+        "chaos",
+        "prorsa.commands.chaos",
+        "fault campaign: kill engines, services, nats-server; flood hostile input",
+    ),
 )
 
 

@@ -82,7 +82,9 @@ def format_health(replies: list[HealthReply]) -> str:
         return "no service answered"
     lines = [f"{'service':<20} {'instance':<28} {'status':<9} {'uptime_s':>9}  details"]
     for r in replies:
-        details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()) if k not in ("errors",))
+        details = ", ".join(
+            f"{k}={v}" for k, v in sorted(r.details.items()) if k not in ("errors", "consumed")
+        )
         errs = r.details.get("errors") or {}
         if errs:
             details += f", errors={errs}"

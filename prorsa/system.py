@@ -1,8 +1,13 @@
 """Run the whole system as one process tree: a nats-server (embedded unless a URL is given), every service that
 exists, and N engine agents, each as its own `python -m services.<name>` child, as a user would run them alone.
 
-Used by `prorsa up`, `prorsa demo` and the end-to-end tests. Stopping sends SIGTERM to every child (each stops
-gracefully, draining its connection), then stops the embedded server.
+Used by `prorsa up`, `prorsa demo`, `prorsa rollout`, the fault campaign and the end-to-end tests. Stopping sends
+SIGTERM to every child (each stops gracefully, draining its connection), then stops the embedded server.
+
+Supervision. `supervise()` (called every few hundred milliseconds by whoever runs the system) restarts a child that
+died, with the same arguments (an engine keeps its id), after the delay `prorsa.supervisor.Supervisor` decides
+(exponential backoff, crash loops reported); an embedded nats-server that died is started again on the same port
+and store, so JetStream's streams and consumers survive it. One child's death never stops the others.
 
 Security: an embedded server gets credentials by default (`auth`): a private directory of nkeys and permissions
 (`services.runtime.bus_secrets`: a fresh temporary one removed on stop, or `secrets_dir`), loaded by the server,
@@ -24,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prorsa.supervisor import Exit, Supervisor
 from services.runtime.auth import SERVICE_ROLES
 from services.runtime.bus_secrets import BusSecrets, TlsFiles, generate, load
 from services.runtime.credentials import ENV as CREDENTIAL_ENV
@@ -56,14 +62,29 @@ class SystemConfig:
     tls: TlsFiles | None = None  # embedded server: serve TLS with this certificate
 
 
+NATS_KEY = "nats-server"  # the embedded server's key in supervision events
+
+
+@dataclass(frozen=True, slots=True)
+class Restarted:
+    key: str
+    restarts: int
+
+
 class System:
-    def __init__(self, config: SystemConfig) -> None:
+    def __init__(self, config: SystemConfig, supervisor: Supervisor | None = None) -> None:
         self.config = config
         self.embedded: EmbeddedNatsServer | None = None
         self.secrets: BusSecrets | None = None
         self._own_secrets = False
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        # key -> (module, args, bus user): what a restart runs, with the same credentials
+        self.commands: dict[str, tuple[str, list[str], str]] = {}
+        self.supervisor = supervisor or Supervisor()
         self.url = config.nats_url or ""
+        self._dead: set[str] = set()  # exits already reported to the supervisor, restart pending
+        self.held: set[str] = set()  # children not restarted for now (the fault campaign's "no replacement")
+        self._stopping = False
 
     def engine_ids(self) -> list[str]:
         return [f"engine-{i}" for i in range(self.config.engines)]
@@ -73,10 +94,14 @@ class System:
             if self.config.auth:
                 self.secrets = self._make_secrets()
             config_file = str(self.secrets.server_config) if self.secrets is not None else None
-            self.embedded = EmbeddedNatsServer(config_file=config_file).start()
+            log = os.path.join(self.config.log_dir, "nats-server.log") if self.config.log_dir else None
+            if self.config.log_dir:
+                os.makedirs(self.config.log_dir, exist_ok=True)
+            self.embedded = EmbeddedNatsServer(config_file=config_file, log_file=log).start()
             self.url = self.embedded.url
             if self.secrets is not None:
                 self.secrets.write_env_files(self.url)  # they name the server now that its port is known
+            self.supervisor.started(NATS_KEY, time.monotonic())
         for name in CONTROL_SERVICES:
             if service_exists(name):
                 self._spawn(name, name, self.config.extra_service_args.get(name, []), SERVICE_ROLES[name])
@@ -122,6 +147,7 @@ class System:
         return names
 
     def _spawn(self, key: str, module: str, args: list[str], user: str = "") -> None:
+        self.commands[key] = (module, args, user)
         cmd = [
             sys.executable,
             "-m",
@@ -143,11 +169,53 @@ class System:
         else:
             out = subprocess.DEVNULL
         self.children[key] = subprocess.Popen(cmd, stdout=out, stderr=out, env=env)
+        if out is not subprocess.DEVNULL:
+            out.close()  # the child holds its own descriptor
+        self.supervisor.started(key, time.monotonic())
 
     def dead_children(self) -> dict[str, int]:
         return {k: p.returncode for k, p in self.children.items() if p.poll() is not None}
 
+    # --- supervision ------------------------------------------------------------------------------------------
+    def supervise(self, now: float | None = None) -> list[Exit | Restarted]:
+        """Report new exits to the supervisor and restart the children that are due; returns what happened."""
+        if self._stopping:
+            return []
+        now = time.monotonic() if now is None else now
+        events: list[Exit | Restarted] = []
+        dead = dict(self.dead_children())
+        if self.embedded is not None and not self.embedded.running:
+            dead[NATS_KEY] = self.embedded.returncode
+        for key, rc in sorted(dead.items()):
+            if key not in self._dead:
+                self._dead.add(key)
+                events.append(self.supervisor.exited(key, rc if rc is not None else -1, now))
+        for key in self.supervisor.due(now):
+            if key not in self._dead or key in self.held:
+                continue
+            self._dead.discard(key)
+            if key == NATS_KEY:
+                assert self.embedded is not None
+                self.embedded.start()  # same port and store: streams, consumers and unacked work survive
+                self.supervisor.started(key, time.monotonic())
+            else:
+                module, args, user = self.commands[key]
+                self._spawn(key, module, args, user)
+            events.append(Restarted(key, self.supervisor.children[key].restarts))
+        return events
+
+    def signal(self, key: str, signum: int) -> None:
+        """Send `signum` to one child (or the embedded server): the fault campaign's way to kill a part."""
+        if key == NATS_KEY:
+            assert self.embedded is not None
+            self.embedded.signal(signum)
+            return
+        p = self.children[key]
+        if p.poll() is None:
+            p.send_signal(signum)
+
     def stop(self, timeout_s: float = 15.0) -> None:
+        self._stopping = True
         for p in self.children.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -62,7 +62,8 @@ def decode(data: bytes | bytearray | memoryview, subject: str = "", expected: An
     """Decode bytes received on `subject` into a message.
 
     `expected` is a message class or a tuple of them (default: any message of the contract).
-    Raises ProtoError (never anything else) on malformed bytes, a wrong schema version or an unexpected type.
+    Raises ProtoError (never anything else) on malformed bytes, a wrong schema version or an unexpected type, and
+    on any other failure of the decoder on these bytes (e.g. RecursionError on deep nesting).
     """
     types: tuple[type[Message], ...]
     if expected is None:
@@ -75,6 +76,12 @@ def decode(data: bytes | bytearray | memoryview, subject: str = "", expected: An
         msg = _decoder(types).decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _explain(data, subject, types, exc) from None
+    except Exception as exc:  # noqa: BLE001 - the peer's bytes, not our bug (see below)
+        # Not msgspec's own error types, but still caused by the peer's bytes alone: msgspec's decoder recurses
+        # per nesting level and raises RecursionError on `{"a":{"a":...` a few hundred deep (MemoryError on a
+        # huge payload is the same story). Every such failure is bad input like any other: the caller counts it
+        # and terminates the message. Letting it escape once killed a service's consuming task for good.
+        raise ProtoError(subject, "", f"undecodable payload ({type(exc).__name__}: {exc})") from None
     if msg.schema_version != SCHEMA_VERSION:
         raise _version_error(subject, msg.schema_version)
     return msg
@@ -100,7 +107,7 @@ def _explain(data: Any, subject: str, types: tuple[type[Message], ...], exc: Exc
     """Turn msgspec's error into one that names the field; a wrong version wins over a field error."""
     try:
         env = _envelope_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except Exception:  # noqa: BLE001 - only a better message is at stake here
         env = None
     if env is not None and env.schema_version is not None and env.schema_version != SCHEMA_VERSION:
         return _version_error(subject, env.schema_version)

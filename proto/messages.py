@@ -232,6 +232,15 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     error: str = (
         ""  # final chunk of a failed request: why (finish_reason "error"); the client does not retry it
     )
+    # The request's `attempt`: chunk boundaries depend on timing, so a client assembles each attempt on its own
+    # and never splices the chunks of two attempts into one stream.
+    attempt: NonNegInt = 0
+    # One execution of the stream (an engine's job; "" from older senders): chunk 0 of another execution means the
+    # stream restarted from scratch (its engine died and the work was redelivered), even on an engine of the same id.
+    stream: str = ""
+    # The index this execution started at: 0 for a run from scratch, the predecessor's next index for a migrated
+    # request. Lets a client follow one chain of executions and ignore a concurrent duplicate run.
+    stream_base: NonNegInt = 0
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):
@@ -399,7 +408,7 @@ class HealthRequest(Message, frozen=True, kw_only=True):
 class HealthReply(Message, frozen=True, kw_only=True):
     service: str  # "engine_agent" | "trajectory_tracker" | "forecaster" | "allocator"
     instance_id: str
-    status: Literal["ok", "degraded", "stopping"]
+    status: Literal["ok", "degraded", "stopping", "unhealthy"]  # unhealthy: a task of the service died
     uptime_s: NonNegFloat
     ts_s: float
     details: dict[str, Any] = {}

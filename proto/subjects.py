@@ -19,7 +19,8 @@ Subjects (ns = namespace):
   ns.policy.version                PolicyVersionUpdate
   ns.health                        HealthRequest → one HealthReply per live service instance
   ns.errors                        ErrorReply for bad input that had no reply subject
-  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.)
+  ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.;
+                                   kept for minutes: stream REPLIES)
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class Subjects:
     @property
     def events_stream(self) -> str:
         return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_EVENTS"
+
+    @property
+    def replies_stream(self) -> str:
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_REPLIES"
+
+    @property
+    def replies_stream_subjects(self) -> list[str]:
+        return [f"{self.namespace}.reply.>"]
 
     @property
     def work_stream_subjects(self) -> list[str]:

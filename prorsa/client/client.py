@@ -9,9 +9,23 @@
 It publishes the lifecycle events the tracker needs (with a per-client sequence number), sends each turn to the
 engine that holds the trajectory's prefix when that engine can take it (else to the shared prefill queue), and
 assembles the token stream exactly once (`stream.StreamAssembler`). Timestamps on the bus use the shared scaled
-clock (`services.runtime.clock`); retry and staleness timers are wall-clock, as they guard against real outages. A request that shows no progress for
-`retry_after_s` is republished with the same request_id and attempt+1; whichever copy completes first is the result
-and the other's chunks are dropped, so a retry never duplicates a result.
+clock (`services.runtime.clock`); retry and staleness timers are wall-clock, as they guard against real outages.
+A request that shows no progress for `retry_after_s` is republished with the same request_id and attempt+1;
+whichever copy completes first is the result and the other's chunks are dropped, so a retry never duplicates a
+result.
+
+Faults it rides out:
+- A nats-server restart: publishes wait for the server (`publish_wait_s`), and after a reconnect the chunks missed
+  meanwhile are read back from the REPLIES stream (`recovery.py`); a stream left incomplete is retried after
+  `recover_after_s` instead of `retry_after_s`.
+- A saturated cluster: the work queue is bounded (`services/runtime/bus.py`), so a publish into a full queue is
+  refused by the server. The client backs off (exponential, jittered, counted in `refused` and `saturated_s`) and
+  tries again: nothing is dropped, and the turn waits at the client instead of lengthening the queue. With
+  `admission_timeout_s` set, a turn refused for that long raises `ClusterSaturated` instead.
+- Reused ids: JetStream drops a publish whose message id it saw in the last two minutes, so the message id is
+  this client's run nonce and submission number (`<run_id>.<n>#<attempt>`), never the request id alone: a second
+  run with the same trajectory ids is not silently dropped. A request id already in flight on this client is
+  refused with a ValueError (its token streams could not be told apart).
 Every subject it uses is documented in proto/README.md, so a trainer in another language can do the same.
 """
 
@@ -19,17 +33,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 import proto
 from prorsa.client.directory import EngineDirectory
+from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
     EngineStats,
@@ -46,16 +63,28 @@ from proto import (
     TurnSubmitted,
 )
 from services.runtime import clock
-from services.runtime.bus import connect, ensure_streams
+from services.runtime.bus import (
+    TRANSIENT_PUBLISH_ERRORS,
+    connect,
+    ensure_streams,
+    is_queue_full,
+    js_publish_patiently,
+)
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from prorsa.client.workload_hint import WorkloadHint
 
+log = get_logger("rollout_client", "sdk")
+
 
 class GenerateError(RuntimeError):
     """The engine rejected the request (e.g. prompt longer than the model length); retrying will not help."""
+
+
+class ClusterSaturated(RuntimeError):
+    """The work queue refused a turn for longer than the client's `admission_timeout_s`: the cluster is saturated."""
 
 
 @dataclass
@@ -64,6 +93,10 @@ class _Pending:
     done: asyncio.Future[GenerateResult]
     last_progress_mono: float
     on_tokens: Callable[[list[int]], None] | None = None
+    # When this request was last retried early (`_broken`), as the reconnect time it followed (-1: after a hole
+    # without reconnect): one early retry per outage, later ones wait retry_after_s.
+    early_retried_after: float | None = None
+    retry_was_early: bool = False  # why `_wait` last gave up: an outage's hole (True) or a stall
 
 
 class RolloutClient:
@@ -74,20 +107,34 @@ class RolloutClient:
         client_id: str | None = None,
         retry_after_s: float = 120.0,
         max_attempts: int = 3,
+        admission_timeout_s: float | None = None,
+        publish_wait_s: float = 120.0,
+        recover_after_s: float = 3.0,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.subjects = Subjects(namespace)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
+        self.run_id = uuid.uuid4().hex[:12]  # this client instance: part of every work message id
         self.retry_after_s = retry_after_s
         self.max_attempts = max_attempts
+        self.admission_timeout_s = admission_timeout_s  # None: wait for admission as long as it takes
+        self.publish_wait_s = publish_wait_s  # wall seconds a publish waits for an unreachable server
+        self.recover_after_s = recover_after_s
         self.directory = EngineDirectory()
         self._seq = itertools.count(1)
+        self._submissions = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self._reply_prefix = self.subjects.reply(self.client_id)
         self._subs: list = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reconnected_mono: float | None = None
         self.dropped_chunks = 0
         self.bad_messages = 0
+        self.refused = 0  # publishes refused by a full work queue
+        self.saturated_s = 0.0  # wall seconds turns spent backing off from a full queue
+        self.replayed_chunks = 0  # chunks read back from the REPLIES stream after reconnects
+        self.early_retries = 0  # streams retried after an outage left them incomplete
 
     @classmethod
     async def connect(
@@ -110,18 +157,36 @@ class RolloutClient:
         await ensure_streams(self.js, self.subjects)
         self._subs.append(await self.nc.subscribe(f"{self._reply_prefix}.>", cb=self._on_chunk))
         self._subs.append(await self.nc.subscribe(self.subjects.all_engine_stats, cb=self._on_stats))
+        self._tasks.append(asyncio.create_task(watch_reconnects(self.nc, self._on_reconnect)))
 
     async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         for sub in self._subs:
             await sub.unsubscribe()
         await self.nc.drain()
+
+    async def _on_reconnect(self, since_s: float) -> None:
+        """Read back the chunks missed while disconnected (see recovery.py)."""
+        self._reconnected_mono = time.monotonic()
+        try:
+            n = await replay(self.nc, self.subjects, self._reply_prefix, since_s, self._on_chunk_data)
+        except (
+            *TRANSIENT_PUBLISH_ERRORS,
+            nats.errors.Error,
+        ) as exc:  # gone again: the next reconnect replays
+            log.warning("replay_failed", client=self.client_id, error=repr(exc))
+            return
+        self.replayed_chunks += n
+        log.info("replayed_after_reconnect", client=self.client_id, chunks=n, pending=len(self._pending))
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def emit(self, make: Callable[..., LifecycleEvent], **fields: object) -> None:
         """Publish one lifecycle event into the EVENTS stream (JetStream-acked, so none is lost)."""
         msg = make(ts_s=clock.now_s(), source=self.client_id, seq=next(self._seq), **fields)
-        await self.js.publish(
-            self.subjects.lifecycle, proto.encode(msg), headers={"Nats-Msg-Id": f"{self.client_id}:{msg.seq}"}
+        headers = {"Nats-Msg-Id": f"{self.run_id}:{msg.seq}"}
+        await js_publish_patiently(
+            self.js, self.subjects.lifecycle, proto.encode(msg), headers, self.publish_wait_s
         )
 
     async def start_trajectory(
@@ -150,7 +215,16 @@ class RolloutClient:
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
     ) -> GenerateResult:
-        """Send a turn and wait for its whole output; retries a request that makes no progress."""
+        """Send a turn and wait for its whole output; retries a request that makes no progress.
+
+        Raises GenerateError (the engine refused it), TimeoutError (no result in time), ClusterSaturated (refused
+        by a full queue for `admission_timeout_s`), ValueError (this request id is already in flight here)."""
+        if request.request_id in self._pending:
+            raise ValueError(
+                f"request {request.request_id} is already in flight on client {self.client_id}: request ids must be "
+                "unique among concurrent turns (a trajectory id used twice at once?)"
+            )
+        submission = next(self._submissions)
         pending = _Pending(
             StreamAssembler(request.request_id),
             asyncio.get_running_loop().create_future(),
@@ -160,15 +234,19 @@ class RolloutClient:
         self._pending[request.request_id] = pending
         deadline = time.monotonic() + timeout_s if timeout_s else None
         try:
-            for attempt in range(self.max_attempts):
+            stalls = 0  # retries after retry_after_s without progress; outage retries do not count
+            for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                await self._publish_request(req)
+                await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
                 if result is not None:
                     if result.error:
                         raise GenerateError(result.error)
                     return result
+                stalls += int(not pending.retry_was_early)
+                if stalls >= self.max_attempts:
+                    break
             raise TimeoutError(
                 f"request {request.request_id} made no progress after {self.max_attempts} attempts"
             )
@@ -176,33 +254,79 @@ class RolloutClient:
             self._pending.pop(request.request_id, None)
 
     async def _wait(self, pending: _Pending, deadline: float | None) -> GenerateResult | None:
-        """The result, or None when the request stalled for retry_after_s (then the caller retries)."""
+        """The result, or None when the request stalled (then the caller retries): no progress for retry_after_s,
+        or an incomplete stream that an outage left without progress for recover_after_s (`_broken`)."""
         while True:
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 raise TimeoutError(f"request {pending.assembler.request_id} timed out")
             wait = self.retry_after_s - (now - pending.last_progress_mono)
             if wait <= 0:
+                pending.retry_was_early = False
+                return None
+            outage = self._reconnected_mono if self._reconnected_mono is not None else -1.0
+            if pending.early_retried_after != outage and self._broken(pending, now):
+                pending.early_retried_after = outage
+                pending.retry_was_early = True
+                self.early_retries += 1
+                log.info("stream_retried_after_outage", request_id=pending.assembler.request_id)
                 return None
             try:
-                return await asyncio.wait_for(asyncio.shield(pending.done), timeout=min(wait, 1.0))
+                return await asyncio.wait_for(asyncio.shield(pending.done), timeout=min(wait, 0.5))
             except TimeoutError:
                 continue
 
-    async def _publish_request(self, req: GenerateRequest) -> None:
-        target = (
-            self.directory.affinity_target(req.affinity_engine, time.monotonic())
-            if req.affinity_engine
-            else None
-        )
-        subject = self.subjects.prefill_work_for(target) if target else self.subjects.prefill_work_any
-        await self.js.publish(
-            subject, proto.encode(req), headers={"Nats-Msg-Id": f"{req.request_id}#{req.attempt}"}
-        )
+    def _broken(self, pending: _Pending, now: float) -> bool:
+        """A stream with a hole no engine will fill: its final chunk came but one before it never will, or it was
+        streaming when the connection dropped and nothing came for recover_after_s after the reconnect (replay
+        included). Only then is a retry sooner than retry_after_s worth recomputing the turn."""
+        a = pending.assembler
+        if not a.chunks or now - pending.last_progress_mono < self.recover_after_s:
+            return False
+        if a.final_index is not None:
+            return True
+        back = self._reconnected_mono
+        return back is not None and pending.last_progress_mono < back and now - back >= self.recover_after_s
+
+    async def _publish_request(self, req: GenerateRequest, msg_id: str, deadline: float | None) -> None:
+        """Publish a turn into the work queue; a full queue is backed off from (see the module doc)."""
+        started = time.monotonic()
+        delay = 0.05
+        while True:
+            target = (
+                self.directory.affinity_target(req.affinity_engine, time.monotonic())
+                if req.affinity_engine
+                else None
+            )
+            subject = self.subjects.prefill_work_for(target) if target else self.subjects.prefill_work_any
+            try:
+                await self.js.publish(subject, proto.encode(req), headers={"Nats-Msg-Id": msg_id})
+                return
+            except TRANSIENT_PUBLISH_ERRORS as exc:
+                now = time.monotonic()
+                if is_queue_full(exc):
+                    self.refused += 1
+                    if self.admission_timeout_s is not None and now - started > self.admission_timeout_s:
+                        raise ClusterSaturated(
+                            f"the cluster is saturated: {subject} stayed full for {now - started:.1f} s "
+                            f"(request {req.request_id})"
+                        ) from exc
+                elif now - started > self.publish_wait_s:
+                    raise
+                if deadline is not None and now > deadline:
+                    raise TimeoutError(f"request {req.request_id} timed out waiting to be queued") from exc
+            pause = delay * (0.5 + random.random())  # jittered: refused clients must not come back in step
+            await asyncio.sleep(pause)
+            if self.refused:
+                self.saturated_s += pause
+            delay = min(2.0, delay * 2)
 
     async def _on_chunk(self, msg: Msg) -> None:
+        await self._on_chunk_data(msg.subject, msg.data)
+
+    async def _on_chunk_data(self, subject: str, data: bytes) -> None:
         try:
-            chunk = proto.decode_as(msg.data, TokenChunk, msg.subject)
+            chunk = proto.decode_as(data, TokenChunk, subject)
         except ProtoError:
             self.bad_messages += 1
             return
@@ -210,12 +334,13 @@ class RolloutClient:
         if pending is None:
             self.dropped_chunks += 1  # a late chunk of a finished request or of another attempt
             return
-        pending.last_progress_mono = time.monotonic()
         before = pending.assembler.duplicates
         result = pending.assembler.add(chunk)
         if pending.assembler.duplicates > before:
-            self.dropped_chunks += 1
-        elif pending.on_tokens is not None and chunk.token_ids:
+            self.dropped_chunks += 1  # a duplicate is no progress (a replay brings many)
+        else:
+            pending.last_progress_mono = time.monotonic()
+        if pending.assembler.duplicates == before and pending.on_tokens is not None and chunk.token_ids:
             pending.on_tokens(list(chunk.token_ids))
         if result is not None and not pending.done.done():
             pending.done.set_result(result)

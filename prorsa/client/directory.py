@@ -2,6 +2,12 @@
 
 Pure. An engine is a valid affinity target only while its stats are fresh, it serves a prefill-capable role, it is
 not switching, and its queue is short; otherwise the turn goes to the shared queue, where any prefill engine takes it.
+
+Fresh means: seen within `missed_intervals` of its own stats interval (learnt from the gaps between its reports),
+and never longer ago than `stale_after_s`. An engine that died is therefore dropped after about three missed
+reports (0.75 s at a 0.25 s cadence, 3 s at 1 s), the same bound its peers use to rescue the work addressed to it
+in the meantime (`services/engine_agent/rescue.py`), so a turn is addressed to a dead engine only in that window,
+and such a turn is moved to the shared queue by a peer.
 """
 
 from __future__ import annotations
@@ -15,22 +21,40 @@ PREFILL_CAPABLE = ("prefill", "mixed")
 
 @dataclass
 class EngineDirectory:
-    stale_after_s: float = 3.0
+    stale_after_s: float = 3.0  # upper bound on staleness, whatever the engine's cadence
+    missed_intervals: float = 3.0
+    min_stale_s: float = 0.5  # lower bound: jitter on a busy machine must not drop a live engine
     max_waiting: int = 8  # beyond this queue depth affinity costs more than recomputing the prefix elsewhere
     engines: dict[str, EngineStats] = field(default_factory=dict)
     seen_at_s: dict[str, float] = field(default_factory=dict)
+    interval_s: dict[str, float] = field(default_factory=dict)  # smoothed gap between an engine's reports
 
     def observe(self, stats: EngineStats, now: float) -> None:
         prev = self.engines.get(stats.engine_id)
         if prev is not None and stats.ts_s < prev.ts_s:
             return  # reordered: keep the newer picture
+        last = self.seen_at_s.get(stats.engine_id)
+        if last is not None and now > last:
+            gap = now - last
+            old = self.interval_s.get(stats.engine_id)
+            self.interval_s[stats.engine_id] = gap if old is None else 0.8 * old + 0.2 * gap
         self.engines[stats.engine_id] = stats
         self.seen_at_s[stats.engine_id] = now
+
+    def fresh(self, engine_id: str, now: float) -> bool:
+        seen = self.seen_at_s.get(engine_id)
+        if seen is None:
+            return False
+        interval = self.interval_s.get(engine_id)
+        bound = self.stale_after_s
+        if interval is not None:
+            bound = min(bound, max(self.min_stale_s, self.missed_intervals * interval))
+        return now - seen <= bound
 
     def affinity_target(self, engine_id: str, now: float) -> str | None:
         """`engine_id` if it can take the turn directly now, else None (use the shared queue)."""
         s = self.engines.get(engine_id)
-        if s is None or now - self.seen_at_s.get(engine_id, -1e18) > self.stale_after_s:
+        if s is None or not self.fresh(engine_id, now):
             return None
         if s.role not in PREFILL_CAPABLE or s.switching or s.waiting > self.max_waiting:
             return None

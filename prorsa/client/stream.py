@@ -4,9 +4,16 @@ Pure (no I/O). The rules, which make redelivery, migration and client retries ha
 - a chunk is identified by (request_id, index); a duplicate index is dropped;
 - chunks may arrive out of order; the stream is read in index order, and it is complete when every index up to
   the final chunk's has arrived;
-- a chunk with index 0 from an engine other than the one streaming means the request restarted from scratch (its
-  first engine died and JetStream redelivered it): everything received so far is discarded;
-- a migrated request continues on another engine from `next_chunk_index`, so its chunks simply follow on;
+- chunks name their execution (`TokenChunk.stream`, one engine job) and where it started (`stream_base`). The
+  stream follows one chain of executions: chunk 0 of a fresh execution (base 0) means the request restarted from
+  scratch (its engine died and JetStream redelivered it, maybe to a replacement with the same id): everything
+  received so far is discarded; a migrated request's execution (base = the next index) continues the chain where
+  the current execution stopped; any other chunk of another execution (a concurrent duplicate run, after a
+  redelivery to a second engine) is ignored, so two runs are never spliced. Chunks from older engines (no
+  `stream`) restart on chunk 0 from another engine id;
+- each attempt (`TokenChunk.attempt`: a client retry) is assembled on its own: chunk boundaries depend on timing,
+  so index k of one attempt need not hold the tokens of index k of another; the first attempt to complete is the
+  result;
 - once complete, the result is frozen: later chunks (a late duplicate attempt) change nothing.
 """
 
@@ -35,46 +42,100 @@ class GenerateResult:
 
 
 @dataclass(slots=True)
-class StreamAssembler:
-    request_id: str
+class _Attempt:
+    """The stream of one attempt."""
+
     chunks: dict[int, TokenChunk] = field(default_factory=dict)
     engine_id: str = ""
+    stream: str = ""  # the execution the stream follows now
     final_index: int | None = None
     restarts: int = 0
+
+    def fate(self, chunk: TokenChunk) -> str:
+        """ "take", "restart" (discard what came so far, then take), "switch" (a continuation: take, follow it) or
+        "ignore" (see the module doc)."""
+        if not chunk.stream or not self.stream:  # the first chunk, or an older sender
+            if chunk.index == 0 and 0 in self.chunks and self.engine_id and chunk.engine_id != self.engine_id:
+                return "restart"
+            return "take"
+        if chunk.stream == self.stream:
+            return "take"
+        if chunk.stream_base == 0:
+            return "restart" if chunk.index == 0 else "ignore"
+        top = max(self.chunks, default=-1)
+        return "switch" if chunk.stream_base == top + 1 else "ignore"
+
+    def complete(self) -> bool:
+        f = self.final_index
+        return f is not None and len(self.chunks) >= f + 1 and all(i in self.chunks for i in range(f + 1))
+
+
+@dataclass(slots=True)
+class StreamAssembler:
+    request_id: str
+    attempts: dict[int, _Attempt] = field(default_factory=dict)
+    latest: int = 0  # the newest attempt seen
     duplicates: int = 0
     result: GenerateResult | None = None
+
+    @property
+    def _current(self) -> _Attempt:
+        return self.attempts.setdefault(self.latest, _Attempt())
+
+    # The newest attempt's view (what a caller deciding whether to retry cares about).
+    @property
+    def chunks(self) -> dict[int, TokenChunk]:
+        return self._current.chunks
+
+    @property
+    def final_index(self) -> int | None:
+        return self._current.final_index
+
+    @property
+    def engine_id(self) -> str:
+        return self._current.engine_id
+
+    @property
+    def restarts(self) -> int:
+        return sum(a.restarts for a in self.attempts.values())
 
     def add(self, chunk: TokenChunk) -> GenerateResult | None:
         """Take one chunk; return the result the first time the stream becomes complete, else None."""
         if self.result is not None or chunk.request_id != self.request_id:
             self.duplicates += 1
             return None
-        if chunk.index == 0 and self.engine_id and chunk.engine_id != self.engine_id and 0 in self.chunks:
-            self.chunks.clear()
-            self.final_index = None
-            self.restarts += 1
-        if chunk.index in self.chunks:
+        self.latest = max(self.latest, chunk.attempt)
+        a = self.attempts.setdefault(chunk.attempt, _Attempt())
+        fate = a.fate(chunk)
+        if fate == "ignore":
             self.duplicates += 1
             return None
-        self.chunks[chunk.index] = chunk
-        if chunk.index == 0 or not self.engine_id:
-            self.engine_id = chunk.engine_id
+        if fate == "restart":
+            a.chunks.clear()
+            a.final_index = None
+            a.restarts += 1
+        if chunk.index in a.chunks:
+            self.duplicates += 1
+            return None
+        a.chunks[chunk.index] = chunk
+        if chunk.index == 0 or not a.engine_id:
+            a.engine_id = chunk.engine_id
+        if fate != "take" or not a.stream:
+            a.stream = chunk.stream
         if chunk.finished:
-            self.final_index = chunk.index
-        if self.final_index is None or len(self.chunks) < self.final_index + 1:
+            a.final_index = chunk.index
+        if not a.complete():
             return None
-        if any(i not in self.chunks for i in range(self.final_index + 1)):
-            return None
-        self.result = self._assemble()
+        self.result = self._assemble(a)
         return self.result
 
     @property
     def tokens_so_far(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks.values())
 
-    def _assemble(self) -> GenerateResult:
-        assert self.final_index is not None
-        ordered = [self.chunks[i] for i in range(self.final_index + 1)]
+    def _assemble(self, a: _Attempt) -> GenerateResult:
+        assert a.final_index is not None
+        ordered = [a.chunks[i] for i in range(a.final_index + 1)]
         last = ordered[-1]
         tokens = [t for c in ordered for t in c.token_ids]
         logprobs: list[float] | None = None

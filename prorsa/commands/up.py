@@ -1,4 +1,7 @@
-"""`prorsa up`: embedded NATS (unless --nats) + every service + N engine agents in one process tree.
+"""`prorsa up`: embedded NATS (unless --nats) + every service + N engine agents in one process tree, supervised.
+
+A child that dies is restarted (same engine id, exponential backoff; see `prorsa.supervisor`) and the cluster goes
+on: every exit and restart is printed, and a crash loop is printed as such on every exit until the child runs stably.
 
 The embedded server requires credentials (unless --no-auth): `prorsa up` writes them into a private directory and
 prints its path (`credentials: DIR`), never a secret; `source DIR/trainer.env` (or `operator.env` for
@@ -91,19 +94,44 @@ async def wait_healthy(
     timeout_s: float,
     give_up: Callable[[], bool] = lambda: False,
     credentials: BusCredentials | None = None,
+    on_poll: Callable[[], None] = lambda: None,
 ) -> list:
-    """Poll health until every expected service answers ok, time runs out or `give_up()` (a child died, Ctrl-C);
-    returns the last replies. `credentials`: whom to ask as (default: the environment's)."""
+    """Poll health until every expected service answers ok, time runs out or `give_up()` (Ctrl-C); `on_poll()`
+    runs before each poll (supervision). Returns the last replies. `credentials`: whom to ask as (default: the
+    environment's)."""
+    from nats.errors import Error as NatsError
+
     from prorsa.health import gather_health
 
     deadline = time.monotonic() + timeout_s
     replies: list = []
     while time.monotonic() < deadline and not give_up():
-        replies = await gather_health(url, namespace, wait_s=0.5, credentials=credentials)
+        on_poll()
+        try:
+            replies = await gather_health(url, namespace, wait_s=0.5, credentials=credentials)
+        except (ConnectionError, OSError, TimeoutError, NatsError):  # the server is being restarted
+            await asyncio.sleep(0.2)
+            continue
         have = sorted(r.service for r in replies if r.status == "ok")
         if have == sorted(expected):
             break
     return replies
+
+
+def report(events: list) -> None:
+    """Print supervision events (`System.supervise`): every exit and restart, crash loops named as such."""
+    from prorsa.supervisor import Exit
+
+    for ev in events:
+        if isinstance(ev, Exit):
+            loop = " — CRASH LOOP (still retrying)" if ev.crash_loop else ""
+            print(
+                f"up: {ev.key} exited with code {ev.returncode} after {ev.ran_s:.1f} s; "
+                f"restart {ev.restarts} in {ev.delay_s:.1f} s{loop}",
+                flush=True,
+            )
+        else:
+            print(f"up: {ev.key} restarted (restart {ev.restarts})", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                 namespace,
                 expected,
                 timeout_s,
-                give_up=lambda: stop["now"] or bool(system.dead_children()),
+                give_up=lambda: stop["now"],
+                on_poll=lambda: report(system.supervise()),
                 credentials=system.credentials("operator"),
             )
         )
@@ -164,11 +193,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"up: {healthy}/{len(expected)} services healthy; Ctrl-C stops", flush=True)
         deadline = time.monotonic() + args.for_s if args.for_s else None
         while not stop["now"] and (deadline is None or time.monotonic() < deadline):
-            dead = system.dead_children()
-            if dead:
-                print(f"up: children exited: {dead}", flush=True)
-                return 1
+            report(system.supervise())  # a child that died is restarted; the others never stop for it
             time.sleep(0.2)
+        restarts = system.supervisor.restarts()
+        if restarts:
+            looping = system.supervisor.crash_looping(time.monotonic())
+            print(f"up: restarts {restarts}" + (f"; crash-looping: {looping}" if looping else ""), flush=True)
     finally:
         # A vLLM engine agent hands on its work and shuts its engine down (vLLM waits up to 5 s for the engine
         # process) before it exits: give it longer than a simulated one before it is killed.

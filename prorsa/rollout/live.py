@@ -18,6 +18,9 @@ from prorsa.system import System, SystemConfig
 from prorsa.workload.spec import load_workload
 from services.allocator.policy import make_policy
 from services.runtime.clock import time_scale_set
+from services.runtime.logging import get_logger
+
+log = get_logger("rollout_live", "main")
 
 
 @dataclass
@@ -105,6 +108,7 @@ async def _run_live(
             log_dir=cfg.log_dir,
         )
     ).start()
+    supervision = asyncio.create_task(_supervise(system))
     try:
         from prorsa.commands.up import wait_healthy
 
@@ -137,4 +141,24 @@ async def _run_live(
         durations = [r.duration_s for r in metrics.records.values() if r.completed]
         return LiveResult(metrics.summary(), recorder, list(workload.notes), durations)
     finally:
+        supervision.cancel()
         system.stop()
+
+
+async def _supervise(system: System, interval_s: float = 0.2) -> None:
+    """Restart a child that dies during the rollout (as `prorsa up` does), logging each exit and restart."""
+    from prorsa.supervisor import Exit
+
+    while True:
+        for ev in system.supervise():
+            if isinstance(ev, Exit):
+                log.warning(
+                    "child_exited",
+                    child=ev.key,
+                    rc=ev.returncode,
+                    restart_in_s=ev.delay_s,
+                    crash_loop=ev.crash_loop,
+                )
+            else:
+                log.info("child_restarted", child=ev.key, restarts=ev.restarts)
+        await asyncio.sleep(interval_s)

@@ -141,15 +141,18 @@ class AllocatorPolicy(ABC):
 
 @dataclass
 class FixedRolesPolicy(AllocatorPolicy):
-    """Keeps a fixed assignment: the first engines (in sorted id order) by count per role."""
+    """Keeps a fixed assignment: the first engines (in sorted id order) by count per role.
+
+    The counts are for the fleet the policy was built for. When engines die or join, the fleet it sees differs:
+    the counts are then scaled to it (largest remainders, every role of the split kept while there are engines
+    for it), so `colocated` stays all-mixed and `static:P:D` keeps its proportions instead of deciding nothing.
+    """
 
     counts: tuple[tuple[str, int], ...] = ()
 
     def _assign(self, engine_ids: Sequence[str]) -> dict[str, str]:
-        total = sum(n for _, n in self.counts)
-        if total != len(engine_ids):
-            raise PolicyError(f"policy {self.name} covers {total} engines, the cluster has {len(engine_ids)}")
-        roles = [role for role, n in self.counts for _ in range(n)]
+        counts = _scaled_counts(self.counts, len(engine_ids))
+        roles = [role for role, n in counts for _ in range(n)]
         return dict(zip(sorted(engine_ids), roles, strict=True))
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
@@ -160,6 +163,28 @@ class FixedRolesPolicy(AllocatorPolicy):
         return Plan(
             roles=self._assign([e.engine_id for e in view.engines]), reason=f"{self.name}: fixed roles"
         )
+
+
+def _scaled_counts(counts: tuple[tuple[str, int], ...], n: int) -> list[tuple[str, int]]:
+    """`counts` (role, engines) rescaled to `n` engines in all: proportional, largest remainders first, each role
+    at least one engine (a split without a decode engine would strand every handoff), all mixed when `n` is
+    smaller than the number of roles."""
+    total = sum(k for _, k in counts)
+    if total == n or total == 0:
+        return list(counts)
+    if n < len(counts):  # too few engines for every role of the split: colocate them (mixed serves both)
+        return [("mixed", n)]
+    shares = [(role, k * n / total) for role, k in counts]
+    out = {role: max(1, int(share)) for role, share in shares}
+    by_remainder = sorted(shares, key=lambda rs: rs[1] - int(rs[1]), reverse=True)
+    while sum(out.values()) < n:
+        for role, _ in by_remainder:
+            if sum(out.values()) < n:
+                out[role] += 1
+    while sum(out.values()) > n:  # the floor of one per role overshot: take from the largest
+        role = max(out, key=lambda r: out[r])
+        out[role] -= 1
+    return [(role, out[role]) for role, _ in counts]
 
 
 def _colocated(args: Sequence[str], n_engines: int) -> AllocatorPolicy:

@@ -51,7 +51,12 @@ def extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="vllm: model path")
     p.add_argument("--max-model-len", type=int, default=None, help="context + output tokens per sequence")
     p.add_argument("--kv-ttl-s", type=float, default=480.0, help="sim: virtual seconds handed-off KV is kept")
-    p.add_argument("--ack-wait-s", type=float, default=30.0, help="JetStream ack_wait of the work consumers")
+    p.add_argument(
+        "--ack-wait-s",
+        type=float,
+        default=3.0,
+        help="JetStream ack_wait of the work consumers: how soon a dead engine's work goes elsewhere",
+    )
     p.add_argument("--stats-interval-s", type=float, default=1.0)
     p.add_argument(
         "--chunk-interval-s", type=float, default=0.02, help="at most one TokenChunk per request per interval"

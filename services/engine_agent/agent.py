@@ -35,6 +35,7 @@ from proto import (
 from services.engine_agent.backend import Backend
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.puller import PullConfig, WorkPuller
+from services.engine_agent.rescue import AddressedRescue
 from services.engine_agent.role_state import (
     DEFAULT_MAX_EPOCH_JUMP,
     initial_state,
@@ -56,8 +57,11 @@ class AgentConfig:
         ""  # performance profile reported in EngineStats (built-in name or profile file; "" unknown)
     )
     # Wall seconds (I/O cadences and server-side timeouts, see the module docstring):
-    ack_wait_s: float = 30.0  # JetStream ack_wait of the work consumers (in_progress() every third of it)
+    # JetStream ack_wait of the work consumers (in_progress() every third of it): how long work held by an engine
+    # that died waits before JetStream hands it to another one, so it is short (see rescue.py, "Timing").
+    ack_wait_s: float = 3.0
     stats_interval_s: float = 1.0  # EngineStats publishing interval (its rates are per scaled second)
+    peer_dead_after_s: float | None = None  # a peer silent this long is dead (None: 3 stats intervals, ≥ 1 s)
     progress_interval_s: float = 0.1  # TokenProgress batching interval
     chunk_interval_s: float = 0.02  # at most one TokenChunk per request per interval
     prefill_budget_tokens: int = 32_768  # prompt tokens held for prefill at most (prefill and mixed roles)
@@ -108,6 +112,8 @@ class EngineAgent(Service):
                 prefill_budget_tokens=self.config.prefill_budget_tokens,
             ),
         )
+        dead_after_s = self.config.peer_dead_after_s or max(1.0, 3 * self.config.stats_interval_s)
+        self.rescue = AddressedRescue(self, dead_after_s)
         self.reconfig_lock = asyncio.Lock()  # one backend reconfiguration (role or weights) at a time
         self._waiters: dict[int, list[str]] = {}  # epoch -> reply subjects waiting for its ack
         self._event_seq = 0
@@ -135,7 +141,9 @@ class EngineAgent(Service):
             self.subjects.engine_command(self.engine_id), self._on_command, RoleSwitchCommand
         )
         await self.subscribe(self.subjects.policy_version, self._on_policy, PolicyVersionUpdate)
+        await self.subscribe(self.subjects.all_engine_stats, self.rescue.on_stats, EngineStats)
         self.spawn(self.puller.run(), name="pull")
+        self.spawn(self.rescue.run(), name="rescue")
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
         self.spawn(self.runner.progress_loop(self.config.progress_interval_s), name="progress")
         self.spawn(self._stats_loop(), name="stats")
@@ -157,6 +165,7 @@ class EngineAgent(Service):
         await super().stop()
 
     async def teardown(self) -> None:
+        await self.rescue.close()
         await self.puller.close()
         await self.backend.close()
 
@@ -170,6 +179,7 @@ class EngineAgent(Service):
             "policy_version": self.policy_version,
             "backend": self.backend.name,
             "starting": not self._serving,
+            "rescued_messages": self.rescue.moved,
         }
 
     # -- events --------------------------------------------------------------------------------------------------
@@ -181,10 +191,11 @@ class EngineAgent(Service):
         if isinstance(msg, RequestFinished):
             self.domain_metrics.on_finished(msg)
         try:
-            await self.js_publish(self.subjects.engine_events(self.engine_id), msg)
+            # A short wait: an event is an observation, and a job waiting on it holds its stream meanwhile.
+            await self.js_publish(self.subjects.engine_events(self.engine_id), msg, wait_s=5.0)
         except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
             self.metrics.count_error("event_publish")
-            self.log.warning("event_publish_failed", event=type(msg).__name__, error=repr(exc))
+            self.log.warning("event_publish_failed", message_type=type(msg).__name__, error=repr(exc))
 
     # -- role switches -------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ dies (then JetStream redelivers it). Kinds: `prefill` (prefill role: prefill, th
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -47,6 +48,9 @@ class Job:
     outcome: Outcome = ""
     reported_tokens: int = -1  # output count in the last TokenProgress
     task: Any = None  # asyncio.Task running it
+    # This execution of the request's stream (chunks carry it as `TokenChunk.stream`): a client seeing chunk 0 of
+    # another execution knows the stream restarted, even when a replacement engine with the same id runs it.
+    stream_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def request_id(self) -> str:

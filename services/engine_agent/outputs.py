@@ -63,6 +63,9 @@ def token_chunk(
         finished=final,
         finish_reason=reason,
         engine_id=engine_id,
+        attempt=req.attempt,
+        stream=job.stream_tag,
+        stream_base=req.next_chunk_index,
         **extra,
     )
 
@@ -78,6 +81,7 @@ def error_chunk(request: GenerateRequest, index: int, error: str, engine_id: str
         engine_id=engine_id,
         prompt_tokens=request.prompt_len,
         error=error,
+        attempt=request.attempt,
     )
 
 

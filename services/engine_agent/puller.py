@@ -37,12 +37,13 @@ from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime import clock
+from services.runtime.bus import WORK_MAX_DELIVER
 
 
 @dataclass(frozen=True, slots=True)
 class PullConfig:
     # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = 3.0
     own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues
     any_poll_s: float = 0.25  # long poll of every queue (a fetch returns as soon as a message arrives)
     room_wait_s: float = 0.25  # a loop without room rechecks at least this often (estimates move)
@@ -91,6 +92,7 @@ class WorkPuller:
                     ack_policy=AckPolicy.EXPLICIT,
                     ack_wait=self.config.ack_wait_s,
                     max_ack_pending=self.config.max_ack_pending,
+                    max_deliver=WORK_MAX_DELIVER,
                     filter_subject=subject,
                 )
                 self.subs[(kind, own)] = await js.pull_subscribe(

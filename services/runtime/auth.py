@@ -91,7 +91,7 @@ class _Grants:
 
 
 def _streams(s: Subjects) -> tuple[str, ...]:
-    return (s.work_stream, s.events_stream)
+    return (s.work_stream, s.events_stream, s.replies_stream)
 
 
 def _ensure_streams(s: Subjects) -> list[str]:
@@ -163,9 +163,22 @@ def _allocator(s: Subjects) -> _Grants:
 
 
 def _trainer(s: Subjects) -> _Grants:
-    ns = s.namespace
+    ns, r = s.namespace, s.replies_stream
+    # After a server restart a client reads back the token chunks it missed from REPLIES (prorsa.client.recovery):
+    # an ephemeral consumer filtered to the reply subjects, deleted when read.
+    replay = [
+        *_pull(r, [f"{JS_API}.CONSUMER.CREATE.{r}.*.{ns}.reply.>", f"{JS_API}.CONSUMER.CREATE.{r}"]),
+        f"{JS_API}.CONSUMER.DELETE.{r}.*",
+    ]
     return _Grants(
-        publish=[s.lifecycle, s.prefill_work_any, f"{ns}.work.prefill.engine.*", s.policy_version, s.health],
+        publish=[
+            s.lifecycle,
+            s.prefill_work_any,
+            f"{ns}.work.prefill.engine.*",
+            s.policy_version,
+            s.health,
+            *replay,
+        ],
         # lifecycle: a trainer's rollout recorder reads the turns submitted (its own and its peers': the events say
         # no more than the trainer already knows of its trajectories).
         subscribe=[

@@ -9,22 +9,100 @@ whose settings differ):
   before acking leaves its work to be redelivered to another engine after `ack_wait`.
 - EVENTS: a limits stream retaining client lifecycle and engine events, so a tracker that restarts rebuilds its
   state by replaying it.
+- REPLIES: a limits stream keeping the token chunks engines publish on `ns.reply.>` for `REPLIES_MAX_AGE_S`.
+  Engines publish them with plain core-NATS publishes (no acknowledgement to wait for, so streaming costs what it
+  did), and clients receive them live through core subscriptions as before; the stream only lets a client read
+  back what it missed while it was disconnected (a nats-server restart), so no result is lost with the server.
+
+Backpressure. Each subject of WORK holds at most `work_queue_max()` messages (queued or held unacknowledged by an
+engine; $PRORSA_WORK_QUEUE_MAX, default 4096): a publish beyond it is refused by the server (JetStream error 10077,
+"maximum messages per subject exceeded") instead of growing the queue and its latency without bound. The client
+SDK backs off and retries (`prorsa.client`), services wait for room (`Service.js_publish`); nothing is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
+import time
 from typing import Any
 
+import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 
 from proto import Subjects
 from services.runtime.credentials import BusCredentials, CredentialsError
 
 DEFAULT_EVENTS_MAX_AGE_S = 6 * 3600.0
+# Deliveries of one message to a consumer at most (JetStream's `max_deliver`): a message that keeps failing is not
+# redelivered forever. Work counts every redelivery after an engine died holding it, so its bound leaves room for
+# many kills; an event only fails to apply through our bug, so a few tries are enough.
+WORK_MAX_DELIVER = 20
+EVENTS_MAX_DELIVER = 5
+REPLIES_MAX_AGE_S = 600.0  # wall seconds a token chunk stays readable after it was streamed
+REPLIES_MAX_BYTES = 512 * 1024 * 1024  # the oldest chunks go first beyond this
+QUEUE_FULL_ERR_CODE = 10077  # JetStream: "maximum messages per subject exceeded" (a full work queue)
+DEFAULT_WORK_QUEUE_MAX = 4096
+
+
+def work_queue_max() -> int:
+    """Messages each WORK subject may hold: $PRORSA_WORK_QUEUE_MAX, default 4096 (every process must agree: the
+    last `ensure_streams` sets it)."""
+    raw = os.environ.get("PRORSA_WORK_QUEUE_MAX", "")
+    try:
+        value = int(raw) if raw else DEFAULT_WORK_QUEUE_MAX
+    except ValueError as exc:
+        raise ValueError(f"PRORSA_WORK_QUEUE_MAX must be an integer, got {raw!r}") from exc
+    if value < 1:
+        raise ValueError(f"PRORSA_WORK_QUEUE_MAX must be ≥ 1, got {value}")
+    return value
+
+
+def is_queue_full(exc: BaseException) -> bool:
+    """True for the server's refusal of a publish into a full work queue (see the module doc)."""
+    return isinstance(exc, APIError) and exc.err_code == QUEUE_FULL_ERR_CODE
+
+
+# What a JetStream publish may raise while the server restarts or the connection reconnects: trying again later
+# succeeds (with a message id, a retry of a publish that did land is dropped by the server as a duplicate).
+TRANSIENT_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+    nats.errors.StaleConnectionError,
+    ServiceUnavailableError,  # full queue (10077), or JetStream not ready yet after a restart
+)
+
+
+async def js_publish_patiently(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    headers: dict[str, str] | None,
+    wait_s: float,
+    on_retry: Any = None,
+) -> None:
+    """Publish into a stream, retrying transient failures (see above) with backoff for up to `wait_s` wall seconds;
+    then the last error is raised. `on_retry(exc)` is called before each retry (counting, logging)."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.05
+    while True:
+        try:
+            await js.publish(subject, data, headers=headers)
+            return
+        except TRANSIENT_PUBLISH_ERRORS as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            if on_retry is not None:
+                on_retry(exc)
+        await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: many publishers must not retry in step
+        delay = min(1.0, delay * 2)
 
 
 def nats_url_from_env(explicit: str | None = None) -> str | None:
@@ -92,13 +170,16 @@ async def connect(
 async def ensure_streams(
     js: JetStreamContext, subjects: Subjects, events_max_age_s: float = DEFAULT_EVENTS_MAX_AGE_S
 ) -> None:
-    """Create the WORK and EVENTS streams if missing; an existing stream is updated to the same config."""
+    """Create the WORK, EVENTS and REPLIES streams if missing; an existing stream is updated to the same config."""
     configs = [
         StreamConfig(
             name=subjects.work_stream,
             subjects=subjects.work_stream_subjects,
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
+            max_msgs_per_subject=work_queue_max(),
+            discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True,
         ),
         StreamConfig(
             name=subjects.events_stream,
@@ -106,6 +187,15 @@ async def ensure_streams(
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=events_max_age_s,
+        ),
+        StreamConfig(
+            name=subjects.replies_stream,
+            subjects=subjects.replies_stream_subjects,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,  # survives a nats-server restart, which is the point
+            max_age=REPLIES_MAX_AGE_S,
+            max_bytes=REPLIES_MAX_BYTES,
+            discard=DiscardPolicy.OLD,
         ),
     ]
     for cfg in configs:

@@ -119,6 +119,15 @@ class EmbeddedNatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc is not None else None
+
+    def signal(self, signum: int) -> None:
+        """Send a signal to the server (fault injection: SIGKILL, SIGTERM); `start()` brings it back."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signum)
+
     def __enter__(self) -> EmbeddedNatsServer:
         return self.start()
 

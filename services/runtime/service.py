@@ -5,10 +5,17 @@ event-loop lag probe and calls the subclass's `setup()`; `run()` additionally in
 waits until stopped; `stop()` stops the subclass's tasks, calls `teardown()` and drains the connection so nothing in
 flight is lost.
 
-Bad input never crashes a service: `receive()` decodes a message and, on a `ProtoError`, logs it with the subject,
-counts it by kind, answers an `ErrorReply` where the message has a reply subject (else publishes it on the errors
-subject), and terminates a JetStream message so it is not redelivered forever. Handler bugs are logged and counted
-as `handler` errors; a JetStream message whose handler failed is nak'ed with a delay (transient trouble).
+Bad input never crashes a service: `receive()` decodes a message and, on a `ProtoError` (which `proto.decode` raises
+for every failure of the decoder, RecursionError on deep nesting included), logs it with the subject, counts it by
+kind and in `bad_input`, answers an `ErrorReply` where the message has a reply subject (else publishes it on the
+errors subject), and terminates a JetStream message so it is not redelivered. Handler bugs are logged and counted
+as `handler` errors; a JetStream message whose handler failed is nak'ed with a delay (transient trouble), and every
+consumer bounds its deliveries (`max_deliver`) so no message is redelivered forever.
+
+Health. A health request is answered only when it decodes as a `HealthRequest` (anything else is counted, never
+answered: one stray message on the health subject must not fan out into one reply per service). A background task
+that died of an exception (our bug) makes the service report `unhealthy` naming the task, for as long as it lives:
+a service whose consuming loop is gone must not keep answering "ok".
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 
 import proto
-from proto import ErrorReply, HealthReply, Message, ProtoError, Subjects
-from services.runtime.bus import connect, ensure_streams
+from proto import ErrorReply, HealthReply, HealthRequest, Message, ProtoError, Subjects
+from services.runtime.bus import connect, ensure_streams, is_queue_full, js_publish_patiently
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 from services.runtime.metrics import ServiceMetrics
 
 Handler = Callable[[Message, Msg], Awaitable[None]]
+PUBLISH_WAIT_S = 30.0  # wall seconds a stream publish waits for room or for the server before it fails
 
 
 class Service:
@@ -61,6 +69,8 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started_mono = time.monotonic()
         self.status: str = "ok"
+        self.failed_tasks: dict[str, str] = {}  # task name -> its exception: reported as "unhealthy"
+        self.bad_input = 0  # messages rejected as bad input (undecodable, wrong type or version, invalid)
         # Subjects this instance consumes (core or JetStream): the hostile-input tests fire at each of them.
         self.consumed: list[str] = []
 
@@ -130,21 +140,30 @@ class Service:
             self.log.info("service_stopped")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
-        """Run a background task owned by the service; its crash is logged, counted and does not kill the service."""
-        task = asyncio.create_task(self._guard(coro), name=name)
+        """Run a background task owned by the service. Its crash is logged and counted, does not kill the process,
+        and makes the service report `unhealthy` (see the module doc)."""
+        task = asyncio.create_task(self._guard(coro, name or getattr(coro, "__name__", "task")), name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _guard(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    async def _guard(self, coro: Coroutine[Any, Any, Any], name: str) -> Any:
         try:
             return await coro
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # our bug: surfaced in health (and in the log), not swallowed
             self.metrics.count_error("task")
-            self.log.exception("task_failed", error=repr(exc))
+            self.failed_tasks[name] = repr(exc)[:300]
+            self.log.exception("task_failed", task=name, error=repr(exc))
             return None
+
+    @property
+    def health_status(self) -> str:
+        """What health replies say: `unhealthy` once a background task died, else the service's own status."""
+        if self.failed_tasks and self.status != "stopping":
+            return "unhealthy"
+        return self.status
 
     # --- messaging helpers ------------------------------------------------------------------------------------
     async def publish(self, subject: str, msg: Message, reply: str = "") -> None:
@@ -152,11 +171,19 @@ class Service:
         await self.nc.publish(subject, proto.encode(msg), reply=reply)
         self.metrics.count_out(subject)
 
-    async def js_publish(self, subject: str, msg: Message, msg_id: str | None = None) -> None:
-        """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries)."""
+    async def js_publish(
+        self, subject: str, msg: Message, msg_id: str | None = None, wait_s: float = PUBLISH_WAIT_S
+    ) -> None:
+        """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries). A full work
+        queue or a server restart is waited out for up to `wait_s` wall seconds (counted as `publish_retry`); then
+        the error is raised."""
         assert self.js is not None
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        await self.js.publish(subject, proto.encode(msg), headers=headers)
+
+        def on_retry(exc: BaseException) -> None:
+            self.metrics.count_error("queue_full" if is_queue_full(exc) else "publish_retry")
+
+        await js_publish_patiently(self.js, subject, proto.encode(msg), headers, wait_s, on_retry)
         self.metrics.count_out(subject)
 
     async def receive(self, msg: Msg, expected: Any = None) -> Message | None:
@@ -171,6 +198,7 @@ class Service:
     async def reject(self, msg: Msg, kind: str, error: str, field: str = "", request_id: str = "") -> None:
         """Log, count and answer bad input; a JetStream message is terminated (never redelivered)."""
         self.metrics.count_error(kind)
+        self.bad_input += 1
         self.log.warning("bad_input", kind=kind, subject=msg.subject, error=error, field=field)
         reply = ErrorReply(
             kind=kind,
@@ -245,18 +273,31 @@ class Service:
 
     # --- health and loop lag ----------------------------------------------------------------------------------
     async def _on_health(self, msg: Msg) -> None:
+        try:
+            proto.decode_as(msg.data, HealthRequest, msg.subject)
+        except ProtoError as err:
+            # Counted, never answered (not even on the errors subject): a reply per service to any bytes would
+            # let one message fan out into one per service.
+            self.metrics.count_error("health_request")
+            self.bad_input += 1
+            self.log.debug("bad_health_request", error=str(err))
+            return
         if not msg.reply:
             return
         details = {
             "errors": dict(self.metrics.error_counts),
+            "bad_input": self.bad_input,
             "messages_in": self.metrics.in_count,
             "messages_out": self.metrics.out_count,
         }
+        if self.failed_tasks:
+            details["failed_tasks"] = dict(self.failed_tasks)
+        details["consumed"] = sorted(set(self.consumed))  # what the fault campaign floods and expects counted
         details.update(self.health_details())
         reply = HealthReply(
             service=self.name,
             instance_id=self.instance_id,
-            status=self.status,  # type: ignore[arg-type]
+            status=self.health_status,  # type: ignore[arg-type]
             uptime_s=time.monotonic() - self._started_mono,
             ts_s=time.time(),
             details=details,

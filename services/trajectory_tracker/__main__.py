@@ -12,9 +12,11 @@ from services.trajectory_tracker.service import TrackerService
 def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval-s", type=float, default=1.0, help="seconds between snapshots")
     p.add_argument(
-        "--silent-after-s", type=float, default=30.0, help="no event for this long: flagged silent"
+        "--silent-after-s", type=float, default=30.0, help="wall seconds without an event: flagged silent"
     )
-    p.add_argument("--lost-after-s", type=float, default=600.0, help="no event for this long: marked lost")
+    p.add_argument(
+        "--lost-after-s", type=float, default=600.0, help="wall seconds without an event: marked lost"
+    )
 
 
 def _make(args: argparse.Namespace, url: str, namespace: str) -> TrackerService:

@@ -14,6 +14,11 @@ reaches the same state, digest for digest, as the one it replaces. Each event is
 Snapshots are withheld until the replay has caught up (nothing pending on the consumer), so a restarted tracker
 never publishes a half-rebuilt picture.
 
+Timeouts. `config.silent_after_s` and `lost_after_s` are wall seconds: they guard against outages and crashes,
+which last wall seconds whatever the simulated engines' speed-up. The core reads scaled seconds (`now` below), so
+the shell hands it the timeouts multiplied by the time scale: at 10× a trajectory is lost after 600 wall seconds of
+silence, not 60 (a nats-server restart once made the tracker call finished trajectories lost).
+
 Bad input: bytes that are not a lifecycle or engine event are rejected by the runtime (logged, counted, answered on
 the errors subject, terminated). Events the core rejects are counted by kind; the benign kinds (duplicate, stale,
 late) only in the health details, the others also as errors with an ErrorReply on the errors subject.
@@ -22,6 +27,7 @@ late) only in the health details, the others also as errors with an ErrorReply o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -29,6 +35,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, ErrorReply, Message
 from services.runtime import clock
+from services.runtime.bus import EVENTS_MAX_DELIVER
 from services.runtime.service import Service
 from services.trajectory_tracker.core import BENIGN_KINDS, Rejection, TrackerConfig, TrackerCore
 from services.trajectory_tracker.metrics import TrackerMetrics
@@ -53,7 +60,13 @@ class TrackerService(Service):
         super().__init__(nats_url, namespace, instance_id, metrics_port)
         if not (snapshot_interval_s > 0.0):
             raise ValueError("snapshot_interval_s must be > 0")
-        self.core = TrackerCore(config)
+        wall = config or TrackerConfig()
+        scale = clock.time_scale()
+        self.core = TrackerCore(
+            dataclasses.replace(
+                wall, silent_after_s=wall.silent_after_s * scale, lost_after_s=wall.lost_after_s * scale
+            )
+        )
         self.snapshot_interval_s = snapshot_interval_s
         self.fetch_batch = fetch_batch
         self.consumer_inactive_s = consumer_inactive_s
@@ -70,11 +83,13 @@ class TrackerService(Service):
             ack_policy=AckPolicy.EXPLICIT,
             filter_subjects=self.subjects.events_stream_subjects,
             inactive_threshold=self.consumer_inactive_s,
+            max_deliver=EVENTS_MAX_DELIVER,
             max_ack_pending=max(1024, 4 * self.fetch_batch),
         )
         self._psub = await self.js.pull_subscribe(
             self.subjects.lifecycle, stream=self.subjects.events_stream, config=config
         )
+        self.consumed += self.subjects.events_stream_subjects
         self.spawn(
             self.pull_loop(self._psub, self._on_event, EVENT_TYPES, batch=self.fetch_batch), name="events"
         )

@@ -1,0 +1,142 @@
+"""Work addressed to a dead engine moves to the shared queue within seconds: peers notice its stats stop.
+
+Why. A trajectory's next turn is addressed to the engine holding its prefix (`work.prefill.engine.<id>`), and only
+that engine's durable consumer (`prefill-<id>`) reads that subject. When the engine dies, the turn it held is
+redelivered after `ack_wait` to that same consumer, and the turns clients addressed to it before noticing wait
+there too: nobody reads them until an engine of the same id comes back (or the client's own retry fires, minutes
+later). Work-queue streams forbid a second consumer with an overlapping filter, so no other engine can simply
+listen as well; but anyone may bind the existing durable.
+
+How. Every engine already receives every engine's `EngineStats` (about one per `stats_interval_s`). `PeerWatch`
+(pure) calls an engine dead once its stats stop for `dead_after_s` (a few intervals) and names one rescuer for it:
+the live engine with the smallest id (every engine computes the same from the same stats; a transient disagreement
+only means two rescuers, which is harmless, see below). The rescuer binds the dead engine's two addressed durables
+and moves whatever they hold, now or later, to the shared queues (`work.prefill.any`, `work.decode.any`), where any
+engine takes it; it stops once the engine's stats are back (a replacement of the same id) or after `forget_after_s`.
+A moved message is published with the message id `fwd:<subject>:<stream seq>` before the original is acked, so two
+rescuers, a lost ack or a redelivery never duplicate it (JetStream drops the second publish).
+
+Timing. With the defaults (stats every 1 s, dead after 3 s, ack_wait 3 s with in-progress heartbeats every 1 s),
+addressed work reaches the shared queue ≤ ~3.5 s after the kill, and the work the dead engine held from the shared
+queues is redelivered by JetStream within its ack_wait: both within the 5 s the fault campaign checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NotFoundError
+
+from proto import EngineStats, Message
+from services.engine_agent.capacity import WorkKind
+from services.engine_agent.puller import durable_name
+
+
+@dataclass
+class PeerWatch:
+    """Which peers are dead and which of them this engine rescues. Pure: `now` is wall seconds (monotonic)."""
+
+    me: str
+    dead_after_s: float = 3.0
+    forget_after_s: float = 600.0  # a peer silent this long is forgotten (and no longer rescued)
+    last_seen: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, engine_id: str, now: float) -> None:
+        self.last_seen[engine_id] = now
+
+    def live(self, now: float) -> list[str]:
+        alive = {e for e, t in self.last_seen.items() if now - t <= self.dead_after_s}
+        return sorted(alive | {self.me})
+
+    def dead(self, now: float) -> list[str]:
+        for e in [e for e, t in self.last_seen.items() if now - t > self.forget_after_s]:
+            del self.last_seen[e]
+        return sorted(e for e, t in self.last_seen.items() if e != self.me and now - t > self.dead_after_s)
+
+    def to_rescue(self, now: float) -> list[str]:
+        """Dead peers whose addressed work this engine moves: all of them if it is the smallest live id."""
+        dead = self.dead(now)
+        return dead if dead and self.live(now)[0] == self.me else []
+
+
+class AddressedRescue:
+    """The shell: watches stats, binds a dead peer's addressed durables and forwards what they hold."""
+
+    def __init__(
+        self, agent: Any, dead_after_s: float, poll_s: float = 0.2, mono: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.agent = agent
+        self.watch = PeerWatch(agent.engine_id, dead_after_s=dead_after_s)
+        self.poll_s = poll_s
+        self._mono = mono  # wall seconds: stats arrive on a wall cadence, whatever the engine's time scale
+        self.errors = 0
+        self.subs: dict[tuple[str, WorkKind], Any] = {}  # (dead engine, kind) -> bound pull subscription
+        self.moved = 0  # messages moved to the shared queues
+        self.rescued: set[str] = set()  # engines whose work this engine moved at least once
+
+    async def on_stats(self, msg: Message, raw: Any) -> None:
+        assert isinstance(msg, EngineStats)
+        if raw.subject.rsplit(".", 1)[-1] == msg.engine_id:  # forged stats for another engine are ignored
+            self.watch.observe(msg.engine_id, self._mono())
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)  # wall cadence: it paces I/O
+            targets = set(self.watch.to_rescue(self._mono()))
+            for key in [k for k in self.subs if k[0] not in targets]:
+                await self._unbind(key)
+            for engine_id in sorted(targets):
+                for kind in ("prefill", "decode"):
+                    try:
+                        await self._forward(engine_id, kind)  # type: ignore[arg-type]
+                    except NatsError as exc:  # disconnected, or the shared queue is full: next round
+                        self.errors += 1
+                        self.agent.log.debug("rescue_failed", dead_engine=engine_id, error=repr(exc))
+
+    async def close(self) -> None:
+        for key in list(self.subs):
+            await self._unbind(key)
+
+    async def _bind(self, engine_id: str, kind: WorkKind) -> Any:
+        key = (engine_id, kind)
+        if key not in self.subs:
+            try:
+                self.subs[key] = await self.agent.js.pull_subscribe_bind(
+                    durable=durable_name(kind, engine_id), stream=self.agent.subjects.work_stream
+                )
+            except NotFoundError:
+                return None  # that engine never bound this queue: nothing can wait there
+        return self.subs[key]
+
+    async def _unbind(self, key: tuple[str, WorkKind]) -> None:
+        psub = self.subs.pop(key)
+        with contextlib.suppress(Exception):  # best effort: the connection may be gone already
+            await psub.unsubscribe()
+
+    async def _forward(self, engine_id: str, kind: WorkKind) -> None:
+        psub = await self._bind(engine_id, kind)
+        if psub is None:
+            return
+        s = self.agent.subjects
+        target = s.prefill_work_any if kind == "prefill" else s.decode_work_any
+        try:
+            msgs = await psub.fetch(16, timeout=0.05)
+        except (TimeoutError, NatsTimeoutError):
+            return
+        except NotFoundError:
+            self.subs.pop((engine_id, kind), None)
+            return
+        for m in msgs:
+            seq = m.metadata.sequence.stream
+            await self.agent.js.publish(target, m.data, headers={"Nats-Msg-Id": f"fwd:{m.subject}:{seq}"})
+            await m.ack()
+            self.moved += 1
+            self.rescued.add(engine_id)
+            self.agent.log.info("addressed_work_rescued", dead_engine=engine_id, kind=kind, stream_seq=seq)
