@@ -167,6 +167,12 @@ class Campaign:
                 await self._one(name, i)
         self.load.stop()
         unfinished = await self.load.drain(cfg.drain_timeout_s)
+        for rid, p in list(self.client._pending.items()):  # what the unfinished ones wait for (diagnosis)
+            a = p.assembler
+            self.log(
+                f"unfinished {rid}: attempts {sorted(a.attempts)}, chunks {sorted(a.chunks)}, final {a.final_index}, "
+                f"idle {time.monotonic() - p.last_progress_mono:.0f} s, seen {len(self.load.chunks.get(rid, []))}"
+            )
         running.cancel()
         stats = {
             "refused": self.client.refused,
