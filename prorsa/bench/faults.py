@@ -88,6 +88,10 @@ class Campaign:
         self.say = say
         self.system = System(
             SystemConfig(
+                # An open server: the campaign measures recovery and what hostile bytes do to a service once
+                # they are on a subject it consumes; who may put them there is the permission table's job
+                # (tests/test_bus_security*.py), and an anonymous flood would only be refused at the door.
+                auth=False,
                 engines=config.engines,
                 extra_engine_args=["--speedup", str(config.speedup), "--stats-interval-s", "0.5"],
                 extra_service_args={"allocator": ["--policy", "colocated", "--engines", str(config.engines)]},
