@@ -83,7 +83,7 @@ SUBSCRIBE: dict[str, tuple[str, ...]] = {
     "prorsa.lifecycle": ("trainer", "forecaster", "allocator", "operator"),
     "prorsa.events.engine-0": ("forecaster", "allocator", "operator"),
     "prorsa.work.prefill.any": ("operator",),
-    "prorsa.stats.engine-0": ("trainer", "allocator", "operator"),
+    "prorsa.stats.engine-0": ("trainer", *ENGINES, "allocator", "operator"),
     "prorsa.cmd.engine-0": (*ENGINES, "operator"),
     "prorsa.cmd.engine-1": ("engine", "operator"),
     "prorsa.ack.engine-0": ("trainer", "allocator", "operator"),

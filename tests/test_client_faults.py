@@ -16,6 +16,7 @@ import pytest
 from prorsa.client import RolloutClient
 from prorsa.client.client import ClusterSaturated
 from prorsa.client.recovery import ReconnectWatch
+from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from proto import SamplingParams, Subjects, TrajectoryStarted
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.runtime import clock
@@ -32,9 +33,9 @@ def expected(request_id: str, n: int) -> list[int]:
     return [tokens.at(i)[0] for i in range(n)]
 
 
-async def one_turn(client: RolloutClient, traj_id: str, max_tokens: int, **kw: object) -> list[int]:
+async def one_turn(client: RolloutClient, traj_id: str, max_tokens: int) -> list[int]:
     traj = await client.start_trajectory(traj_id)
-    res = await traj.generate([], SamplingParams(max_tokens=max_tokens), prompt_len=500, **kw)  # type: ignore[arg-type]
+    res = await generate_hinted(traj, [], SamplingParams(max_tokens=max_tokens), WorkloadHint(500))
     await traj.finish()
     return res.token_ids
 
@@ -125,11 +126,13 @@ async def test_a_second_run_with_the_same_trajectory_ids_is_not_dropped(
         client = await RolloutClient.connect(nats_server.url)
         try:
             traj = await client.start_trajectory("dup")
-            first = asyncio.create_task(traj.generate([], SamplingParams(max_tokens=50), prompt_len=100))
+            first = asyncio.create_task(
+                generate_hinted(traj, [], SamplingParams(max_tokens=50), WorkloadHint(100))
+            )
             await wait_until(lambda: "dup:0" in client._pending)
             twin = await client.start_trajectory("dup")
             with pytest.raises(ValueError, match="already in flight"):
-                await twin.generate([], SamplingParams(max_tokens=5), prompt_len=100)
+                await generate_hinted(twin, [], SamplingParams(max_tokens=5), WorkloadHint(100))
             await asyncio.wait_for(first, timeout=10)
         finally:
             await client.close()

@@ -86,6 +86,7 @@ def test_up_restarts_dead_children_and_keeps_the_cluster(tmp_path) -> None:
             ns,
             "--log-dir",
             str(tmp_path),
+            "--no-auth",  # supervision, not credentials (tests/test_bus_security*.py)
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -22,6 +22,7 @@ from typing import Any
 import proto
 from prorsa.client import GenerateError, RolloutClient
 from prorsa.client.client import ClusterSaturated
+from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from proto import RequestFinished, SamplingParams, TokenChunk
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.runtime import clock
@@ -102,12 +103,16 @@ class Load:
             context += sh.prompt_tokens if k == 0 else sh.observation_tokens
             request_id = f"{traj_id}:{k}"
             try:
-                res = await traj.generate(
+                hint = WorkloadHint(
+                    prompt_len=context,
+                    output_tokens=sh.output_tokens,
+                    cacheable_tokens=max(0, context - sh.observation_tokens),
+                )
+                res = await generate_hinted(
+                    traj,
                     [],
                     SamplingParams(max_tokens=sh.output_tokens, ignore_eos=True),
-                    prompt_len=context,
-                    sim_output_tokens=sh.output_tokens,
-                    sim_cacheable_tokens=max(0, context - sh.observation_tokens),
+                    hint,
                     timeout_s=sh.turn_timeout_s,
                 )
             except (TimeoutError, GenerateError, ClusterSaturated) as exc:

@@ -134,7 +134,8 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
                 ],
             ),
         ],
-        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version],
+        # stats.*: peers watch each other's stats, to move a dead engine's addressed work (engine_agent/rescue.py)
+        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version, s.all_engine_stats],
     )
 
 
