@@ -52,6 +52,7 @@ POLICIES = (
     "prorsa@truth",
 )
 LARGE_BATCH_WORKLOAD = "profile:general"
+ROLE_COLOURS = {"prefill": "tab:blue", "decode": "tab:orange", "mixed": "tab:green", "switching": "tab:red"}
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,14 @@ def plot_cell(entry: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(2, len(lines), figsize=(3.2 * len(lines), 5.5), sharex=True, squeeze=False)
     for i, (spec, tl) in enumerate(lines.items()):
         t = tl["t_s"]
-        roles = [r for r in ("prefill", "decode", "mixed", "switching") if any(tl["engines"].get(r, []))]
-        axes[0][i].stackplot(t, *[tl["engines"][r] for r in roles], labels=roles, step="post")
+        roles = [r for r in ROLE_COLOURS if any(tl["engines"].get(r, []))]
+        axes[0][i].stackplot(
+            t,
+            *[tl["engines"][r] for r in roles],
+            labels=roles,
+            colors=[ROLE_COLOURS[r] for r in roles],
+            step="post",
+        )
         axes[0][i].set_title(spec, fontsize=9)
         axes[1][i].plot(t, tl["prefill_demand"], lw=0.8, label="new prompt tok/s")
         axes[1][i].plot(t, tl["decode_tokens"], lw=0.8, label="output tok/s")
@@ -238,6 +245,11 @@ def plot_cell(entry: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _plot_name(cell: Cell) -> str:
+    safe = cell.name.replace("/", "_").replace(":", "-").replace("+", "plus").replace(" ", "")
+    return f"matrix-{safe}.png"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prorsa.bench.matrix", description=__doc__)
     parser.add_argument("--cells", default=None, help="comma-separated fnmatch patterns over cell names")
@@ -250,7 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--plot-dir", default=None)
     parser.add_argument("--list", action="store_true", help="print the cell names and exit")
+    parser.add_argument("--replot", metavar="JSON", default=None, help="redraw --plot-dir from a matrix JSON")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        os.makedirs(args.plot_dir or ".", exist_ok=True)
+        for entry in saved["cells"]:
+            cell = Cell(entry["workload"], entry["profile"], entry["mode"], entry["batch_size"])
+            plot_cell(entry, os.path.join(args.plot_dir or ".", _plot_name(cell)))
+        return 0
     cells = select(all_cells(tuple(f"trace:{p}" for p in args.trace)), args.cells)
     if args.list:
         print("\n".join(c.name for c in cells))
@@ -279,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(out, f, indent=1)
         if args.plot_dir:
             os.makedirs(args.plot_dir, exist_ok=True)
-            safe = cell.name.replace("/", "_").replace(":", "-").replace("+", "plus").replace(" ", "")
-            plot_cell(entry, os.path.join(args.plot_dir, f"matrix-{safe}.png"))
+            plot_cell(entry, os.path.join(args.plot_dir, _plot_name(cell)))
     text = markdown(out)
     print(text)
     if args.markdown:
