@@ -24,8 +24,11 @@ Inputs, all from the view (so the live allocator and the simulator run this same
 * H: how long the split will serve — the live population changes by half in N / (2 φ), φ the trajectories
   finishing per second (snapshot), between two decision intervals and `max_horizon_s`.
 
-Decision: move to the best candidate when it beats the current split by more than `margin` (the model's error
-tolerance; a switch's own cost is already in the score). A role with demand and no engine is repaired at once.
+Decision: move to the best candidate when it beats the current split by more than `margin` plus the model's
+measured error on the split that runs (|log observed / projected turn time|, observed by Little's law; a move's own
+cost is already in the score), when it wins in every forecast scenario, and only once the turn sample stands for
+the loop (about one finished turn per live trajectory, the first prompts at most a third of the turns seen). A
+role with demand and no engine is repaired at once. Start-up is colocated (`initial_plan`).
 Bad input (NaN or negative figures, an empty view) is refused with a PolicyError that the caller logs and counts.
 """
 
