@@ -50,12 +50,11 @@ def compare_policies(
     full: dict[str, dict] = {}
     errors: dict[str, str] = {}
     expanded = expand_policies(specs, base.engines)
-    firsts: dict[str, Any] = {}
     for spec in expanded:
         if progress is not None:
             progress(spec)
         try:
-            full[spec] = _run(dataclasses.replace(base, policy=spec), expanded, firsts)
+            full[spec] = _run(dataclasses.replace(base, policy=spec))
         except ValueError as exc:  # PolicyError and WorkloadError are ValueErrors
             errors[spec] = str(exc)
     rows: list[dict[str, Any]] = []
@@ -74,7 +73,7 @@ def compare_policies(
     return rows, full
 
 
-def _run(config: SimConfig, expanded: list[str], firsts: dict[str, Any]) -> dict[str, Any]:
+def _run(config: SimConfig) -> dict[str, Any]:
     """One policy's JSON. A spec `POLICY@FORECASTER` runs POLICY with that forecaster (`truth`: fed the true
     future demand), so the value of a forecast is a ratio from one run."""
     policy, _, forecaster = config.policy.partition("@")

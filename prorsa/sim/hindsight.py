@@ -28,7 +28,7 @@ arrives inside the window); the limit never does — `tests/test_sim_hindsight.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,12 +124,14 @@ def judge(base: Simulation, fork: Simulation, now: float, until: float) -> float
     return cost
 
 
-def choose_initial(build: object, n: int, lookahead_s: float) -> tuple[Split, dict[str, float]]:
+def choose_initial(
+    build: Callable[[Split], Simulation], n: int, lookahead_s: float
+) -> tuple[Split, dict[str, float]]:
     """The split to start with: each candidate run from scratch over the first step's rollout (module doc).
     `build(split)` returns a fresh, not yet started Simulation that starts with `split`."""
     scores: dict[Split, float] = {}
     for split in candidates(n, Split(0, 0, n)):
-        sim = build(split)  # type: ignore[operator]
+        sim = build(split)
         sim.driver.start(0.0)
         t = 0.0
         cap = sim.config.duration_s if sim.config.duration_s is not None else float("inf")

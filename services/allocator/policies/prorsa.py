@@ -483,7 +483,8 @@ class OracleSpec(AllocatorPolicy):
     lookahead_s: float = 60.0
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
-        return Plan(roles=dict.fromkeys(engine_ids, "mixed"), reason="oracle: placeholder roles")
+        # Never used to run: the simulator's hindsight search chooses its own start (prorsa.sim.hindsight).
+        return Plan(roles=dict.fromkeys(engine_ids, "mixed"), reason="oracle: simulator only")
 
     def plan(self, view: ClusterView) -> Plan | None:
         raise PolicyError("oracle is a hindsight search that forks the simulator: simulator only")
