@@ -154,8 +154,11 @@ class ProrsaPolicy(AllocatorPolicy):
         switch = self._switch_costs(view)
         cands = self.candidates(len(view.engines), prefill_demand, decode_demand)
 
+        per_scenario: dict[Split, list[float]] = {}  # kept for the robustness check below
+
         def evaluate(c: Split) -> float:
-            return self.score(c, current, shape, scenarios, horizon, switch)
+            per_scenario[c] = self.scenario_scores(c, current, shape, scenarios, horizon, switch)
+            return _weighted(per_scenario[c])
 
         scored = _search(current, cands, evaluate)
         current_j = scored.get(current)
@@ -180,9 +183,7 @@ class ProrsaPolicy(AllocatorPolicy):
             # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess.
             return None
         # Robust: the move must also win in each scenario the forecast allows, not only on average.
-        mine = self.scenario_scores(current, current, shape, scenarios, horizon, switch)
-        theirs = self.scenario_scores(best, current, shape, scenarios, horizon, switch)
-        if any(b > c for b, c in zip(theirs, mine, strict=True)):
+        if any(b > c for b, c in zip(per_scenario[best], per_scenario[current], strict=True)):
             return None
         return Plan(roles=moves_for_split(view, best), reason=reason)
 
@@ -196,8 +197,7 @@ class ProrsaPolicy(AllocatorPolicy):
         switch: _SwitchCosts,
     ) -> float:
         """Projected seconds per turn of `target` reached from `current` (module doc), over the scenarios."""
-        per_scenario = self.scenario_scores(target, current, shape, scenarios, horizon_s, switch)
-        return sum(w * j for w, j in zip(SCENARIO_WEIGHTS, per_scenario, strict=True))
+        return _weighted(self.scenario_scores(target, current, shape, scenarios, horizon_s, switch))
 
     def scenario_scores(
         self,
@@ -456,6 +456,11 @@ def _search(
             return scored
         lo, hi = max(0, best - step), min(len(plain) - 1, best + step)
         step = max(1, step // 4)
+
+
+def _weighted(per_scenario: Sequence[float]) -> float:
+    """The scenarios' scores weighted by SCENARIO_WEIGHTS (the three-point rule, module doc)."""
+    return sum(w * j for w, j in zip(SCENARIO_WEIGHTS, per_scenario, strict=True))
 
 
 def _distance(a: Split, b: Split) -> int:
