@@ -190,6 +190,8 @@ async def test_the_cluster_config_runs_three_authenticated_nodes(tmp_path) -> No
         for p in procs:
             p.terminate()
             p.wait(timeout=10)
+
+
 SERVICES = ("trajectory_tracker", "forecaster", "allocator", "engine_agent")
 
 

@@ -48,4 +48,10 @@ def test_short_campaign(tmp_path) -> None:  # noqa: ANN001
             # (docs/benchmarks.md, "Fault campaign"), not a timed test on a shared machine.
             assert row["recovery_max_s"] <= 30.0, row
     flood = rows["hostile-flood"]
-    assert flood["hostile_sent"] == 150 and flood["hostile_counted"] == flood["hostile_expected"] > 150, flood
+    # Every message is accounted for: taken, refused (a full queue), or unconfirmed (no ack in time on a loaded
+    # machine; the server may have stored it). A refusal is rare, not the rule.
+    assert flood["hostile_sent"] + flood["hostile_refused"] + flood["hostile_unconfirmed"] == 150, flood
+    assert flood["hostile_sent"] >= 135, flood
+    # Each taken message is counted once by each service that receives it; an unconfirmed one at most once each.
+    expected, slack = flood["hostile_expected"], flood["hostile_slack"]
+    assert expected > 135 and expected <= flood["hostile_counted"] <= expected + slack, flood

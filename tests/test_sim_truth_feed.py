@@ -93,7 +93,9 @@ def test_the_bench_runs_a_policy_with_another_forecaster(truth_json: dict[str, A
     by = {r["policy"]: r for r in rows}
     assert by["prorsa@truth"]["avg_trajectory_s"] == truth_json["avg_trajectory_s"]
     assert full["prorsa@naive"]["config"]["forecaster"] == "naive"
-    assert full["prorsa@truth"]["timelines"]["forecasts"]  # the bench keeps each run's timelines for its report
+    assert full["prorsa@truth"]["timelines"][
+        "forecasts"
+    ]  # the bench keeps each run's timelines for its report
 
 
 def test_prorsa_sim_cli_runs_truth_fed(tmp_path, truth_json: dict[str, Any]) -> None:

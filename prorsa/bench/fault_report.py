@@ -51,6 +51,9 @@ def build_report(
                 "hostile_sent": sum(t.sent for t in mine) if name == "hostile-flood" else None,
                 "hostile_counted": sum(t.counted for t in mine) if name == "hostile-flood" else None,
                 "hostile_expected": sum(t.expected_count for t in mine) if name == "hostile-flood" else None,
+                "hostile_refused": sum(t.refused for t in mine) if name == "hostile-flood" else None,
+                "hostile_unconfirmed": sum(t.unconfirmed for t in mine) if name == "hostile-flood" else None,
+                "hostile_slack": sum(t.expected_slack for t in mine) if name == "hostile-flood" else None,
                 "notes": sorted({t.note for t in mine if t.note})[:3],
             }
         )
@@ -110,8 +113,10 @@ def format_table(report: dict[str, Any], markdown: bool = False) -> str:
     for row in report["rows"]:
         if row["hostile_sent"] is not None:
             lines.append(
-                f"hostile: {row['hostile_sent']} sent, {row['hostile_counted']} counted as bad input "
-                f"(expected {row['hostile_expected']}: one per receiving service)"
+                f"hostile: {row['hostile_sent']} sent, {row['hostile_refused']} refused, "
+                f"{row['hostile_unconfirmed']} unconfirmed; {row['hostile_counted']} counted as bad input "
+                f"(expected {row['hostile_expected']}, up to {row['hostile_slack']} more from the unconfirmed: "
+                "one per receiving service)"
             )
     t = report["totals"]
     lines.append(
