@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import msgspec
 
+import proto
 from prorsa.bench.synthetic import SyntheticWorkload, generate_events
-from proto import Subjects
+from proto import Subjects, TurnSubmitted
 from services.runtime.bus import ensure_streams
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker import checkpoint as ckpt
@@ -139,5 +140,31 @@ async def test_a_checkpoint_of_a_recreated_stream_is_ignored(nats_server: Embedd
     try:
         assert svc.checkpoints_refused == {"stream": 1} and svc.restored_from_seq is None
         assert svc.events_applied == last_seq
+    finally:
+        await svc.stop()
+
+
+async def test_hostile_counts_neither_stop_the_tracker_nor_its_checkpoints(
+    nats_server: EmbeddedNatsServer, nc
+) -> None:  # noqa: ANN001
+    """A 30-digit count decodes (the wire has no upper bound) but fits no int64 column nor msgpack: the core
+    refuses it (huge_count), so the state stays encodable and checkpoints go on (the fault campaign's flood)."""
+    js = nc.jetstream()
+    svc = TrackerService(nats_server.url, snapshot_interval_s=0.2, checkpoint_interval_s=NEVER_S)
+    await svc.start()
+    try:
+        events = _events(seed=9)
+        first = events[0]
+        huge = 10**30
+        await _publish(js, [events[0]])  # the trajectory starts
+        hostile = TurnSubmitted(
+            traj_id=first.traj_id, ts_s=0.0, source="h", turn=0, request_id="h:0", prompt_tokens=huge
+        )
+        await js.publish(S.lifecycle, proto.encode(hostile))
+        last_seq = await _publish(js, events)
+        await _caught_up(svc, last_seq)
+        assert svc.core.rejections.get("huge_count") == 1
+        assert await svc.save_checkpoint() and svc.checkpoint_seq == last_seq
+        assert svc.health_status == "ok" and not svc.failed_tasks
     finally:
         await svc.stop()

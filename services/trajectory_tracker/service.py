@@ -163,7 +163,14 @@ class TrackerService(Service):
             return True
         # Captured in one synchronous step, so the state and the sequence belong together.
         seq = self.last_stream_seq
-        data = checkpoint.encode(checkpoint.capture(self.core, seq, self._stream_created))
+        try:
+            data = checkpoint.encode(checkpoint.capture(self.core, seq, self._stream_created))
+        except (
+            OverflowError
+        ) as exc:  # a total beyond 64 bits, summed from peers' (bounded) counts: keep going
+            self.metrics.count_error("checkpoint_encode")
+            self.log.error("checkpoint_unencodable", error=repr(exc))
+            return False
         try:
             await self._store.save(data)
         except nats.errors.Error as exc:  # the server restarting, or full: the stream still holds the events
