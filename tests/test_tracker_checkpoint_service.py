@@ -48,7 +48,7 @@ async def test_a_restored_tracker_equals_a_full_replay(nats_server: EmbeddedNats
         assert first.restored_from_seq is None  # nothing to restore: it replayed the (short) stream
     finally:
         await first.stop()  # graceful: writes a checkpoint of everything applied
-    assert first.checkpoints_saved == 1 and first.checkpoint_seq == seq
+    assert first.checkpoints_saved >= 1 and first.checkpoint_seq == seq
     last_seq = await _publish(js, events[half:])
 
     restored = TrackerService(nats_server.url, snapshot_interval_s=0.2)

@@ -102,7 +102,12 @@ class Campaign:
                 extra_service_args={"allocator": ["--policy", "colocated", "--engines", str(config.engines)]},
                 log_dir=config.log_dir,
             ),
-            supervisor=Supervisor(base_backoff_s=0.3, max_backoff_s=5.0, stable_after_s=5.0),
+            # A crash loop is 5 exits in `loop_window_s`; the campaign's own kills of one service come every ~6 s,
+            # and with the default 60 s window they made it a "crash loop" restarted only after max_backoff_s,
+            # which measured the supervisor's policy, not the service's recovery.
+            supervisor=Supervisor(
+                base_backoff_s=0.3, max_backoff_s=5.0, stable_after_s=5.0, loop_window_s=10.0
+            ),
         )
         self.exits: list[tuple[float, Exit]] = []
         self.tries: list[Try] = []

@@ -152,9 +152,13 @@ class TrackerService(Service):
         return ck.stream_seq + 1
 
     async def _checkpoint_loop(self, interval_s: float) -> None:
+        # The first one as soon as the replay has caught up: an instance killed again soon after it started
+        # (a crash loop, a fault campaign) leaves its successor a recent checkpoint, not its predecessor's.
+        while not self.caught_up and not self.stopping:
+            await asyncio.sleep(0.05)
         while not self.stopping:
-            await asyncio.sleep(interval_s)  # wall seconds: a restart's replay time is wall time
             await self.save_checkpoint()
+            await asyncio.sleep(interval_s)  # wall seconds: a restart's replay time is wall time
 
     async def save_checkpoint(self) -> bool:
         """Write the state if it moved since the last checkpoint; False when the server could not take it (the
