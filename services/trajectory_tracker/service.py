@@ -188,6 +188,12 @@ class TrackerService(Service):
     async def teardown(self) -> None:
         # A graceful stop leaves a checkpoint of everything applied, so the next instance replays nothing.
         await self.save_checkpoint()
+        # Then the pull subscription goes before the connection drains: events the server delivered for the last
+        # fetch wait in its queue for a handler that is gone, and nats.py's drain waited for them until its
+        # timeout (5 s added to every graceful restart). Unacked, they are the next instance's to replay.
+        if self._psub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._psub.unsubscribe()
 
     async def _on_event(self, event: Message, msg: Msg) -> None:
         meta = msg.metadata
