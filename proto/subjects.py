@@ -21,6 +21,9 @@ Subjects (ns = namespace):
   ns.errors                        ErrorReply for bad input that had no reply subject
   ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.;
                                    kept for minutes: stream REPLIES)
+
+Object store NS_TRACKER (`tracker_checkpoint_bucket`): the trajectory tracker's own checkpoints, so a restarted
+tracker replays only the end of EVENTS. Not a channel between services: only the tracker role may touch it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class Subjects:
     @property
     def replies_stream(self) -> str:
         return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_REPLIES"
+
+    @property
+    def tracker_checkpoint_bucket(self) -> str:
+        """The object-store bucket of the tracker's checkpoints (its stream is `OBJ_<bucket>`)."""
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_TRACKER"
 
     @property
     def replies_stream_subjects(self) -> list[str]:

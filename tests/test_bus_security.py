@@ -75,6 +75,19 @@ PUBLISH: dict[str, tuple[str, ...]] = {
     "$JS.API.CONSUMER.INFO.PRORSA_WORK.prefill-any": ("operator", *ENGINES),
     "$JS.ACK.PRORSA_WORK.prefill-any.1.1.1.1.1": ENGINES,
     "$JS.ACK.PRORSA_EVENTS.x.1.1.1.1.1": ("tracker",),
+    # The tracker's checkpoints (an object store): the tracker's alone; nobody else reads or forges them.
+    "$O.PRORSA_TRACKER.C.x": ("tracker",),
+    "$O.PRORSA_TRACKER.M.x": ("tracker",),
+    "$O.OTHER.M.x": NOBODY,
+    "$JS.API.STREAM.INFO.OBJ_PRORSA_TRACKER": ("tracker", "operator"),
+    "$JS.API.STREAM.CREATE.OBJ_PRORSA_TRACKER": ("tracker",),
+    "$JS.API.STREAM.PURGE.OBJ_PRORSA_TRACKER": ("tracker",),
+    "$JS.API.STREAM.MSG.GET.OBJ_PRORSA_TRACKER": ("tracker",),
+    "$JS.API.STREAM.DELETE.OBJ_PRORSA_TRACKER": NOBODY,
+    "$JS.API.STREAM.NAMES": ("tracker", "operator"),
+    "$JS.API.CONSUMER.CREATE.OBJ_PRORSA_TRACKER": ("tracker",),
+    "$JS.API.CONSUMER.DELETE.OBJ_PRORSA_TRACKER.x": ("tracker",),
+    "$JS.FC.OBJ_PRORSA_TRACKER.x": ("tracker",),
     "_INBOX.allocator.x": NOBODY,  # nobody writes into another's inbox (replies go by allow_responses)
 }
 
@@ -178,6 +191,34 @@ async def test_each_role_is_refused_every_subject_it_has_no_business_with(secure
         )
     finally:
         await nc.close()
+
+
+async def test_only_the_tracker_keeps_checkpoints(secure) -> None:
+    """The tracker's grants are enough for nats.py's object store (create, write, read back) and nobody else's are."""
+    from services.trajectory_tracker.checkpoint_store import CheckpointStore
+
+    srv, secrets = secure
+    tracker = await connect_as(srv, secrets, "tracker", errors := Violations())
+    try:
+        await ensure_streams(tracker.jetstream(), proto.Subjects())
+        store = CheckpointStore(tracker.jetstream(), proto.Subjects().tracker_checkpoint_bucket)
+        await store.open()
+        data = bytes(range(256)) * 1200  # 300 kB: three chunks
+        await store.save(data)
+        await store.save(data[::-1])  # a replacement purges the old chunks
+        assert await store.load() == data[::-1]
+        assert not errors.publish and not errors.subscribe
+    finally:
+        await tracker.close()
+    for user in ("trainer", "engine-0", "forecaster", "allocator"):
+        nc = await connect_as(srv, secrets, user, Violations())
+        try:
+            other = CheckpointStore(nc.jetstream(timeout=1.0), proto.Subjects().tracker_checkpoint_bucket)
+            with pytest.raises(nats.errors.Error):
+                await other.open()
+                await other.save(b"forged")
+        finally:
+            await nc.close()
 
 
 async def test_a_refused_publish_reaches_nobody(secure) -> None:

@@ -1,6 +1,7 @@
 """Issue 14, findings 5-7, through the client SDK against a real nats-server and engine agent:
 - results survive a nats-server restart (chunks missed while disconnected are read back from the REPLIES stream),
-  and the tracker's timeouts are wall seconds;
+  and the tracker's timeouts are wall seconds; a publish made while the server stops on SIGTERM (JetStream gone,
+  the connection still up: "no responders") waits for the stream instead of failing the trajectory;
 - a second run that reuses trajectory ids is not dropped by JetStream's duplicate window;
 - a bounded work queue refuses a saturated cluster's turns, and the client backs off without dropping any."""
 
@@ -17,9 +18,10 @@ from prorsa.client import RolloutClient
 from prorsa.client.client import ClusterSaturated
 from prorsa.client.recovery import ReconnectWatch
 from prorsa.client.workload_hint import WorkloadHint, generate_hinted
-from proto import SamplingParams, Subjects, TrajectoryStarted
+from proto import GenerateRequest, SamplingParams, Subjects, TrajectoryStarted
 from services.engine_agent.backends.sim_tokens import SimTokens
 from services.runtime import clock
+from services.runtime.bus import ensure_streams
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker.core import TrackerConfig
 from services.trajectory_tracker.service import TrackerService
@@ -86,6 +88,50 @@ async def test_results_survive_a_server_restart(tmp_path) -> None:  # noqa: ANN0
             await client.close()
         await agent.stop()
         srv.stop(remove_store=True)
+
+
+async def test_publishes_wait_out_a_server_without_jetstream(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
+    """A nats-server stopping on SIGTERM shuts JetStream down before it drops the connections: for a moment every
+    stream publish gets a "no responders" reply (nats.py: NoStreamResponseError). The campaign's trajectory f11526
+    died of that in `emit`/`submit`. Here the same reply comes from the real server with the streams deleted."""
+    client = RolloutClient(nc, publish_wait_s=20.0)
+    await client.start()
+    js = nc.jetstream()
+    try:
+        for stream in (S.events_stream, S.work_stream):
+            await js.delete_stream(stream)
+        started = asyncio.create_task(client.start_trajectory("nj", task="t"))
+        req = GenerateRequest(
+            request_id="nj:0",
+            traj_id="nj",
+            turn=0,
+            prompt_token_ids=[],
+            prompt_len=10,
+            sampling=SamplingParams(max_tokens=4),
+            reply_to=client.reply_subject(0),
+        )
+        submitted = asyncio.create_task(client.submit(req))
+        await asyncio.sleep(0.8)
+        assert not started.done() and not submitted.done(), "a publish without JetStream must wait, not fail"
+        await ensure_streams(js, S)  # JetStream is back
+        traj = await asyncio.wait_for(started, timeout=10)
+        assert traj.traj_id == "nj"
+        await wait_until(lambda: bool(client._pending.get("nj:0")), timeout_s=5)
+
+        async def stored(stream: str) -> int:
+            return (await js.stream_info(stream)).state.messages
+
+        deadline = time.monotonic() + 10
+        while (await stored(S.events_stream)) < 1 or (await stored(S.work_stream)) < 1:
+            assert time.monotonic() < deadline, "the publishes did not land once the streams were back"
+            await asyncio.sleep(0.1)
+        assert not submitted.done()  # still waiting for an engine: nothing failed
+    finally:
+        for task in (started, submitted):
+            task.cancel()
+        await asyncio.gather(started, submitted, return_exceptions=True)
+        for task in client._tasks:
+            task.cancel()
 
 
 async def test_tracker_timeouts_are_wall_seconds(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001

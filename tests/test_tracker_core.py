@@ -291,6 +291,8 @@ def test_silence_is_flagged_then_lost_is_folded_and_late_events_are_late() -> No
         (True, lambda cl: cl(ToolCallStarted, traj_id="other", turn=0), "unknown_trajectory"),
         (True, lambda cl: progress(0, -5), "negative_tokens"),
         (True, lambda cl: submitted(cl, 0, -1), "negative_tokens"),
+        (True, lambda cl: progress(0, 10**30), "huge_count"),
+        (True, lambda cl: progress(10**30, 5), "huge_count"),
         (True, lambda cl: "not an event", "unsupported_event"),
     ],
 )
@@ -466,6 +468,7 @@ REJECTION_KINDS = {
     "unknown_trajectory",
     "impossible_transition",
     "negative_tokens",
+    "huge_count",
     "clock_backwards",
     "bad_time",
     "bad_timestamp",

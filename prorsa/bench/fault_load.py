@@ -92,7 +92,14 @@ class Load:
 
     async def _worker(self) -> None:
         while not self._stop.is_set():
-            await self._trajectory(f"f{next(self._ids)}")
+            traj_id = f"f{next(self._ids)}"
+            try:
+                await self._trajectory(traj_id)
+            except Exception as exc:  # noqa: BLE001 - counted as lost with its cause (the run then fails)
+                # Without this a client error ended the worker silently: its trajectory stayed "in flight" with
+                # no turn failed (f11526, issue 14) and the load ran one trajectory short from then on.
+                self.lost_trajectories[traj_id] = (time.monotonic(), repr(exc)[:200])
+                log.exception("trajectory_failed", traj_id=traj_id, error=repr(exc))
 
     async def _trajectory(self, traj_id: str) -> None:
         sh = self.shape

@@ -64,6 +64,7 @@ class CampaignConfig:
     default_tries: int = 1
     hostile_messages: int = 1000  # per hostile-flood try
     settle_s: float = 3.0  # wall seconds between tries (after the system is healthy again)
+    warmup_s: float = 3.0  # wall seconds of load before the first try (a long one grows the EVENTS stream)
     recovery_timeout_s: float = 60.0
     drain_timeout_s: float = 120.0
     log_dir: str | None = None
@@ -101,7 +102,12 @@ class Campaign:
                 extra_service_args={"allocator": ["--policy", "colocated", "--engines", str(config.engines)]},
                 log_dir=config.log_dir,
             ),
-            supervisor=Supervisor(base_backoff_s=0.3, max_backoff_s=5.0, stable_after_s=5.0),
+            # A crash loop is 5 exits in `loop_window_s`; the campaign's own kills of one service come every ~6 s,
+            # and with the default 60 s window they made it a "crash loop" restarted only after max_backoff_s,
+            # which measured the supervisor's policy, not the service's recovery.
+            supervisor=Supervisor(
+                base_backoff_s=0.3, max_backoff_s=5.0, stable_after_s=5.0, loop_window_s=10.0
+            ),
         )
         self.exits: list[tuple[float, Exit]] = []
         self.tries: list[Try] = []
@@ -169,7 +175,7 @@ class Campaign:
         await self.load.attach()
         await asyncio.sleep(1.0)
         running = asyncio.create_task(self.load.run())
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(cfg.warmup_s)
         for name in scenario_names():
             for i in range(cfg.tries.get(name, cfg.default_tries)):
                 await self._one(name, i)
@@ -425,6 +431,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostile-messages", type=int, default=1000, help="messages per hostile flood")
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument("--warmup-s", type=float, default=3.0, help="wall seconds of load before the first fault")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", dest="json_path", default=None)
 
@@ -450,6 +457,7 @@ def config_from_args(args: argparse.Namespace) -> CampaignConfig:
         tries=tries,
         hostile_messages=args.hostile_messages,
         settle_s=args.settle_s,
+        warmup_s=args.warmup_s,
         log_dir=args.log_dir,
     )
 

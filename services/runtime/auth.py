@@ -10,7 +10,8 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
   engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health
                ns.work.{prefill,decode}.any (handoffs, hand-on),
                ns.reply.> (token streams), ns.errors
-  tracker      ns.tracker.snapshot, ns.errors                           ns.health (EVENTS through JetStream)
+  tracker      ns.tracker.snapshot, ns.errors;                          ns.health (EVENTS through JetStream)
+               its checkpoints: the object store NS_TRACKER (only it)
   forecaster   ns.forecast, ns.errors                                   ns.tracker.snapshot, ns.lifecycle,
                                                                         ns.events.*, ns.health
   allocator    ns.cmd.* (request/reply), ns.allocator.plan, ns.errors   ns.stats.*, ns.ack.*, ns.forecast,
@@ -139,10 +140,35 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
     )
 
 
+def _checkpoints(bucket: str) -> list[str]:
+    """What nats.py's object store does on the tracker's bucket: look it up or create it, write chunks and the
+    metadata roll-up (`$O.<bucket>.>`), purge replaced chunks, read the metadata (`STREAM.MSG.GET`), and read the
+    chunks through an ordered push consumer (found by subject with `STREAM.NAMES`, created unnamed, its flow
+    control answered on `$JS.FC`, deleted after)."""
+    obj = f"OBJ_{bucket}"
+    return [
+        f"$O.{bucket}.>",
+        f"{JS_API}.STREAM.INFO.{obj}",
+        f"{JS_API}.STREAM.CREATE.{obj}",
+        f"{JS_API}.STREAM.PURGE.{obj}",
+        f"{JS_API}.STREAM.MSG.GET.{obj}",
+        f"{JS_API}.STREAM.NAMES",
+        f"{JS_API}.CONSUMER.CREATE.{obj}",
+        f"{JS_API}.CONSUMER.DELETE.{obj}.*",
+        f"$JS.FC.{obj}.>",
+    ]
+
+
 def _tracker(s: Subjects) -> _Grants:
     e = s.events_stream
     # Its consumer is ephemeral with several filters: `CONSUMER.CREATE.<stream>.<generated name>`.
-    return _Grants(publish=[s.snapshot, *_pull(e, [f"{JS_API}.CONSUMER.CREATE.{e}.*"])])
+    return _Grants(
+        publish=[
+            s.snapshot,
+            *_pull(e, [f"{JS_API}.CONSUMER.CREATE.{e}.*"]),
+            *_checkpoints(s.tracker_checkpoint_bucket),
+        ]
+    )
 
 
 def _forecaster(s: Subjects) -> _Grants:

@@ -32,7 +32,13 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from proto import Subjects
 from services.runtime.credentials import BusCredentials, CredentialsError
@@ -69,9 +75,13 @@ def is_queue_full(exc: BaseException) -> bool:
 
 # What a JetStream publish may raise while the server restarts or the connection reconnects: trying again later
 # succeeds (with a message id, a retry of a publish that did land is dropped by the server as a duplicate).
+# NoStreamResponseError: a nats-server stopping on SIGTERM shuts JetStream down before it closes the client
+# connections, so for a moment a stream publish finds no responder; nats.py raises that as NoStreamResponseError,
+# which is not a NoRespondersError. Not retrying it once killed a trajectory of the fault campaign (issue 14).
 TRANSIENT_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    NoStreamResponseError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.OutboundBufferLimitError,
     nats.errors.FlushTimeoutError,

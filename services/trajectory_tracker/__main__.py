@@ -1,4 +1,5 @@
-"""`python -m services.trajectory_tracker [--nats URL] [--snapshot-interval-s 1.0]`: run the tracker alone."""
+"""`python -m services.trajectory_tracker [--nats URL] [--snapshot-interval-s 1.0] [--checkpoint-interval-s 5]`:
+run the tracker alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from services.trajectory_tracker.service import TrackerService
 
 def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-interval-s", type=float, default=1.0, help="seconds between snapshots")
+    p.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=5.0,
+        help="wall seconds between state checkpoints in the tracker's object store (0: none, replay everything)",
+    )
     p.add_argument(
         "--silent-after-s", type=float, default=30.0, help="wall seconds without an event: flagged silent"
     )
@@ -26,6 +33,7 @@ def _make(args: argparse.Namespace, url: str, namespace: str) -> TrackerService:
         instance_id=args.instance_id,
         metrics_port=args.metrics_port,
         snapshot_interval_s=args.snapshot_interval_s,
+        checkpoint_interval_s=args.checkpoint_interval_s or None,
         config=TrackerConfig(silent_after_s=args.silent_after_s, lost_after_s=args.lost_after_s),
     )
 

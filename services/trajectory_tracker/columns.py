@@ -155,6 +155,11 @@ class LiveColumns:
     def task_names(self) -> tuple[str, ...]:
         return tuple(self._task_code)
 
+    def add_task_names(self, names: list[str]) -> None:
+        """Give these task names the next codes, in order (a restored core's columns: codes as they were)."""
+        for name in names:
+            self._task_code.setdefault(name, len(self._task_code))
+
     def allocate(self, row: Row) -> int:
         """A slot for a new live trajectory, after every live one (sets `row.slot`; write its fields next)."""
         if self._hi == self._cap:

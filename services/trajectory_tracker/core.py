@@ -21,7 +21,8 @@ Theory of operation
   each change, so `columns(now)` is a few array copies; `snapshot(now)` is built from them (same order and values).
 
 Rejection kinds: duplicate, stale (older turn), late (trajectory already ended) — benign, expected under
-redelivery and reordering; unknown_trajectory, impossible_transition, negative_tokens, clock_backwards, bad_time
+redelivery and reordering; unknown_trajectory, impossible_transition, negative_tokens, huge_count (a count above
+`MAX_COUNT`: it fits no int64 column nor a checkpoint), clock_backwards, bad_time
 (non-finite now), bad_timestamp (tool finished before it started), unsupported_event — bad input from a peer.
 """
 
@@ -54,6 +55,10 @@ from services.trajectory_tracker.columns import LiveColumns, SnapshotColumns
 from services.trajectory_tracker.dedupe import SeqDeduper
 
 BENIGN_KINDS = frozenset({"duplicate", "stale", "late"})
+# The largest token count, turn or sequence number the core takes (2^40, a trillion). The wire allows any
+# non-negative integer; a 30-digit one from a hostile peer used to overflow the int64 columns half-way through an
+# update (and a checkpoint, msgpack, holds no integer beyond 64 bits, nor sums of many of them).
+MAX_COUNT = 2**40
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +197,9 @@ class TrackerCore:
             source = "engine:" + event.engine_id
         else:
             return Rejection("unsupported_event", traj_id, type(event).__name__)
-        bad = _negative_token_field(event)
+        bad = _bad_count_field(event)
         if bad:
-            return Rejection("negative_tokens", traj_id, bad)
+            return Rejection("negative_tokens" if "=-" in bad else "huge_count", traj_id, bad)
         if not self._dedupe.check_and_add(source, event.seq):
             return Rejection("duplicate", traj_id, f"{source} seq {event.seq}")
         return None
@@ -441,15 +446,16 @@ _TOKEN_FIELDS = (
 )
 
 
-def _negative_token_field(event: Any) -> str:
-    """Name of a negative count field (msgspec checks this on decode, but in-process callers bypass decoding)."""
+def _bad_count_field(event: Any) -> str:
+    """`name=value` of a count field that is negative or above MAX_COUNT ("" when none). msgspec checks the sign
+    on decode, but in-process callers bypass decoding, and the wire sets no upper bound."""
     for name in _TOKEN_FIELDS:
         v = getattr(event, name, 0)
-        if isinstance(v, int) and v < 0:
+        if isinstance(v, int) and not 0 <= v <= MAX_COUNT:
             return f"{name}={v}"
     for item in getattr(event, "items", ()) or ():
         for name in ("output_tokens", "turn"):
             v = getattr(item, name, 0)
-            if v < 0:
+            if not 0 <= v <= MAX_COUNT:
                 return f"items.{name}={v}"
     return ""

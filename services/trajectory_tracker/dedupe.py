@@ -53,6 +53,22 @@ class SeqDeduper:
     def __len__(self) -> int:
         return len(self._sources)
 
+    def windows(self) -> list[tuple[str, int, set[int]]]:
+        """(source, highest seq, seqs remembered) per source, least recently used first: for checkpoints."""
+        return [(s, w.high, set(w.seen)) for s, w in self._sources.items()]
+
+    @classmethod
+    def from_windows(
+        cls, window: int, max_sources: int, items: list[tuple[str, int, list[int]]]
+    ) -> SeqDeduper:
+        """The deduper whose `windows()` were `items` (a checkpoint's)."""
+        out = cls(window, max_sources)
+        for source, high, seen in items:
+            w = out._sources[source] = _SourceWindow()
+            w.high = high
+            w.seen = set(seen)
+        return out
+
     def state(self) -> list[tuple[str, int, int]]:
         """(source, highest seq, seqs remembered) per source, sorted: for digests and tests."""
         return sorted((s, w.high, len(w.seen)) for s, w in self._sources.items())
