@@ -130,7 +130,7 @@ class Driver:
         self._next_rid += 1
         req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
-        metrics, new_tokens = self._metrics, turn.new_prompt_tokens  # Metrics.on_turn_submitted, inlined
+        metrics, new_tokens = self._metrics, turn.new_prompt_tokens  # turns submitted and the demand row
         metrics.turns_submitted += 1
         metrics.new_prompt_tokens += new_tokens
         row, index = metrics.demand_row, int(now / metrics.window_s)

@@ -229,7 +229,7 @@ class SimEngine(RoleSwitching):
         """Apply the effects of the activity that ends at `now`."""
         kind, t0 = self.activity, self._t_start
         self.activity = IDLE
-        self._busy_s[self.role] += now - t0  # Metrics.on_busy, inlined: once per activity
+        self._busy_s[self.role] += now - t0  # busy seconds of the role, once per activity
         if kind == JUMP:
             self._apply_decode_steps(self._jump_steps, t0, now)
         elif kind == MIXED_STEP:
@@ -350,7 +350,7 @@ class SimEngine(RoleSwitching):
             req.engine = self
             req.kv_tokens = context + req.output_tokens
             self._reserve(req.kv_tokens)
-        metrics = self.metrics  # Metrics.on_prefill_started, inlined (once per turn)
+        metrics = self.metrics  # prefill starts and prompt tokens (once per turn)
         if req.migrated:
             metrics.migration_hit_tokens += hit
         else:
@@ -386,7 +386,7 @@ class SimEngine(RoleSwitching):
         self._chunks = []
         done = computed + recomputed + wasted
         self.prefill_tokens_done += done
-        # Metrics.on_prefill_step, inlined (once per prefill step), with `spread`'s common case: inside one window.
+        # Prompt tokens computed (once per prefill step), with `spread`'s common case inlined: inside one window.
         metrics = self.metrics
         metrics.prefill_computed_tokens += computed
         metrics.migration_recompute_tokens += recomputed
@@ -498,7 +498,7 @@ class SimEngine(RoleSwitching):
         self.decode_tokens_done += tokens
         metrics = self.metrics
         metrics.decoded_tokens += tokens
-        # Metrics.on_decoded, inlined (once per decode jump): its common case, a jump inside one window.
+        # Decoded tokens (once per decode jump), with `spread`'s common case inlined: a jump inside one window.
         row, w = metrics.decode_row, metrics.window_s
         index = int(t0 / w)
         if t0 < now and int(now / w) == index and len(row) > index:
