@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prorsa.client import RolloutClient
-from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.rollout.recorder import Recorder
 from prorsa.system import System, SystemConfig
 from prorsa.workload.spec import load_workload

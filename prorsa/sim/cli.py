@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from prorsa.sim.driver import MODES
+from prorsa.sim.sim_driver import MODES
 
 if TYPE_CHECKING:
     from rich.table import Table

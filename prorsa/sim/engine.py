@@ -18,7 +18,7 @@ prefill engine caches the prompt it computed; a mixed engine caches prompt + out
 decode engine's KV is never sent back. So a trajectory's next turn on the prefill engine that served its last
 turn recomputes the last output plus the new tokens, on its mixed engine only the new tokens.
 
-Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.switching`, mixed into `SimEngine`.
+Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`, mixed into `SimEngine`.
 
 Speed: the step loop below runs several times per turn, so it keeps running totals instead of re-summing
 (`_active_left`, `_ctx_base`, `_target_sum`), prices steps with `StepCost` (the perf model's fast path, `services.runtime.step_cost`), pushes its
@@ -35,9 +35,9 @@ from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
+from prorsa.sim.engine_switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
 from prorsa.sim.metrics import spread
 from prorsa.sim.state import Request
-from prorsa.sim.switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
 from services.engine_agent.prefix_cache import PrefixCache
 from services.runtime.perf_model import ModelProfile
 from services.runtime.step_cost import step_cost

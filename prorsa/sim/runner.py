@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.sim.core import Simulation
-from prorsa.sim.driver import MODES, StepSource
 from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
+from prorsa.sim.sim_driver import MODES, StepSource
 from prorsa.sim.views import DemandFeed
 from services.allocator.policy import AllocatorPolicy
 from services.allocator.registry import make_policy

@@ -1,4 +1,6 @@
-"""The RL driver: submits every step's trajectories turn by turn, and runs the trainer's clock.
+"""The simulator's RL driver: submits every step's trajectories turn by turn, and runs the trainer's clock.
+
+(Its twin over the live system is `prorsa/rollout/live_driver.py`.)
 
 A trajectory's turn 0 is submitted at its step's start + `arrival_s`; turn k when turn k−1's output is done plus
 that turn's tool latency. A trajectory completes when its last turn's output is done.
