@@ -77,3 +77,26 @@ def test_invalid_inputs_get_the_models_errors():
     with pytest.raises(ValueError):
         cost.mixed_step_s(-1, 4, 100, 0, 0)
     assert cost.decode_step_s(0, 10) == 0.0
+
+
+@PROPERTY
+@given(
+    name=profiles,
+    chunk_list=st.lists(st.tuples(st.integers(1, 8_192), st.integers(0, 200_000)), min_size=1, max_size=12),
+    batch=batches,
+    context=contexts,
+)
+def test_steps_of_chunks_are_the_models(name, chunk_list, batch, context):
+    p = BUILTIN_PROFILES[name]
+    cost = step_cost(p)
+    overhead_and_compute = p.prefill_overhead_s + sum(pm.prefill_compute_s(p, n, c) for n, c in chunk_list)
+    assert cost.prefill_step_s(chunk_list) == overhead_and_compute
+    total, cached, largest = pm.mixed_step_shape(p, chunk_list)
+    assert total == sum(n for n, _ in chunk_list)
+    assert max(n for n, _ in chunk_list) <= largest <= total
+    if p.dp_ranks == 1:
+        assert cached == sum(n * c for n, c in chunk_list) // total
+    expected = pm.mixed_step_time_s(
+        p, total, batch, context, prefill_cached_tokens=cached, largest_rank_prefill_tokens=largest
+    )
+    assert cost.mixed_chunks_step_s(chunk_list, batch, context) == expected

@@ -173,8 +173,10 @@ def decode_kv_read_s(p: ModelProfile, batch: int, total_context_tokens: int) -> 
     Equal contexts assumed for the local layers: each sequence reads min(T / batch, W) of their tokens.
     """
     kv = p.kv_global_read_s_per_token * total_context_tokens
-    if p.attn_local_window_tokens > 0:
-        kv += p.kv_local_read_s_per_token * min(total_context_tokens, batch * p.attn_local_window_tokens)
+    window = p.attn_local_window_tokens
+    if window > 0:  # min(T, batch × W), as a comparison: the simulator prices two of these per decode jump
+        cap = batch * window
+        kv += p.kv_local_read_s_per_token * (total_context_tokens if total_context_tokens < cap else cap)
     return kv
 
 
@@ -280,7 +282,8 @@ def kv_transfer_bytes(p: ModelProfile, tokens: int) -> float:
     """Bytes moved to hand `tokens` of context from one engine to another."""
     if tokens < 0:
         raise ValueError(f"negative token count: {tokens}")
-    local = min(tokens, p.attn_local_window_tokens) * p.kv_transfer_local_bytes_per_token
+    window = p.attn_local_window_tokens
+    local = (tokens if tokens < window else window) * p.kv_transfer_local_bytes_per_token  # min(tokens, W)
     return tokens * p.kv_transfer_bytes_per_token + local
 
 

@@ -15,8 +15,8 @@ Pure, like the model: no clock, no randomness, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import lru_cache
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
 
 from services.runtime import perf_model as pm
 from services.runtime.perf_model import ModelProfile
@@ -25,14 +25,16 @@ from services.runtime.perf_model import ModelProfile
 class StepCost:
     """Decode step, decode jump, prefill chunk, mixed step and KV transfer times of one profile (see above)."""
 
-    __slots__ = ("profile", "_fixed", "_per_seq")
+    __slots__ = ("profile", "_fixed", "_per_seq", "_kv_read", "kv_transfer_s")
 
     def __init__(self, profile: ModelProfile) -> None:
         self.profile = profile
-        self._fixed: list[
-            float
-        ] = []  # index batch: pm.decode_fixed_s (index 0: the empty batch, never priced)
-        self._per_seq: list[float] = []  # index batch: pm.decode_per_seq_total_s
+        self._kv_read = pm.decode_kv_read_s  # looked up once: two calls per decode jump
+        # `pm.kv_transfer_time_s(profile, tokens)` (a partial: no frame of its own, once per handoff).
+        self.kv_transfer_s: Callable[[int], float] = partial(pm.kv_transfer_time_s, profile)
+        # Index batch: pm.decode_fixed_s and pm.decode_per_seq_total_s (index 0, the empty batch, is never priced).
+        self._fixed: list[float] = []
+        self._per_seq: list[float] = []
         self._grow(profile.max_batch)
 
     def _grow(self, batch: int) -> None:
@@ -61,12 +63,12 @@ class StepCost:
             if steps <= 1:
                 return a, 0.0
             return a, (self.decode_step_s(batch, context_tokens + (steps - 1) * batch) - a) / (steps - 1)
-        p, fixed, per_seq = self.profile, self._fixed[batch], self._per_seq[batch]
-        a = fixed + pm.decode_kv_read_s(p, batch, context_tokens) + per_seq
+        p, fixed, per_seq, kv_read = self.profile, self._fixed[batch], self._per_seq[batch], self._kv_read
+        a = fixed + kv_read(p, batch, context_tokens) + per_seq
         if steps <= 1:
             return a, 0.0
         last = context_tokens + (steps - 1) * batch
-        return a, (fixed + pm.decode_kv_read_s(p, batch, last) + per_seq - a) / (steps - 1)
+        return a, (fixed + kv_read(p, batch, last) + per_seq - a) / (steps - 1)
 
     def prefill_compute_s(self, new_tokens: int, cached_tokens: int) -> float:
         """`pm.prefill_compute_s(profile, new_tokens, cached_tokens)`."""
@@ -108,10 +110,6 @@ class StepCost:
         return pm.mixed_step_from_decode_s(
             p, decode, batch, prefill_tokens, cached_tokens, largest_rank_tokens
         )
-
-    def kv_transfer_s(self, tokens: int) -> float:
-        """`pm.kv_transfer_time_s(profile, tokens)`."""
-        return pm.kv_transfer_time_s(self.profile, tokens)
 
 
 @lru_cache(maxsize=16)
