@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.allocator.policy import make_policy
+from services.allocator.registry import make_policy
 from tests.test_allocator_policy import _view
 
 

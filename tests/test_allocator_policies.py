@@ -14,7 +14,8 @@ from services.allocator.capacity import CapacityModel, resolve_profile
 from services.allocator.policies.common import Split, initial_roles, moves_for_split
 from services.allocator.policies.dynamo import DynamoPolicy, fit_budget
 from services.allocator.policies.load_predictors import ArimaPredictor, ConstantPredictor
-from services.allocator.policy import ClusterView, EngineView, Plan, PolicyError, make_policy, policy_names
+from services.allocator.policy import ClusterView, EngineView, Plan, PolicyError
+from services.allocator.registry import make_policy, policy_names
 from services.runtime.model_profiles import BUILTIN_PROFILES
 
 PROFILE = resolve_profile(None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -12,10 +14,8 @@ from services.allocator.policy import (
     EngineView,
     Plan,
     PolicyError,
-    make_policy,
-    policy_names,
-    register_policy,
 )
+from services.allocator.registry import make_policy, policy_names, register_policy
 
 
 def _view(roles: dict[str, str], now: float = 10.0) -> ClusterView:
@@ -157,3 +157,15 @@ def test_registry_accepts_new_policies_once():
     assert make_policy(name, 2).name == name
     with pytest.raises(PolicyError):
         register_policy(name, lambda args, n: _Swap(name=name))
+
+
+def test_the_seam_imports_no_policy_and_the_registry_lists_every_builtin():
+    # The imports go one way (registry → policies → seam): importing the seam loads no policy module.
+    code = (
+        "import sys, services.allocator.policy\n"
+        "assert not [m for m in sys.modules if m.startswith('services.allocator.policies')], sys.modules\n"
+        "from services.allocator.registry import policy_names\n"
+        "print(','.join(policy_names()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert {"colocated", "static", "reactive", "dynamo", "prorsa", "oracle"} <= set(out.strip().split(","))

@@ -157,7 +157,7 @@ def test_epochs_only_increase_and_stale_or_duplicate_commands_change_nothing(evs
 
 PURE_MODULES = [
     "role_state.py",
-    "capacity.py",
+    "pull_capacity.py",
     "jobs.py",
     "outputs.py",
     "backends/sim_scheduler.py",

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prorsa.client import RolloutClient
-from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.workload.types import TrajectorySpec, Turn
 from services.allocator.service import AllocatorService

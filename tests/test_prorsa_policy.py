@@ -10,7 +10,8 @@ import pytest
 from proto import LifecycleSnapshot, TrajectoryFeatures
 from services.allocator.policies.common import Split, make_capacity
 from services.allocator.policies.turn_model import TurnShape, projected_turns, turn_time
-from services.allocator.policy import ClusterView, EngineView, PolicyError, make_policy
+from services.allocator.policy import ClusterView, EngineView, PolicyError
+from services.allocator.registry import make_policy
 
 PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
 DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000, tool_s=1.0)

@@ -15,7 +15,7 @@ import proto
 from prorsa.client import RolloutClient
 from prorsa.client.adapters import MultiTurnWorkflow, VerlServerManager
 from prorsa.client.workload_hint import WorkloadHint, generate_hinted
-from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.sim.runner import SimConfig, run_simulation
 from prorsa.workload.types import TrajectorySpec, Turn

@@ -98,7 +98,7 @@ def test_an_engine_that_becomes_prefill_never_takes_waiting_handoffs():
     leave them (it would hold decodes it never steps, and the run would never end)."""
     from prorsa.sim.core import Simulation
     from prorsa.sim.state import Request
-    from services.allocator.policy import make_policy
+    from services.allocator.registry import make_policy
 
     specs = [TrajectorySpec("t0", "coding", (Turn(1000, 50, 0.0),))]
     profile = BUILTIN_PROFILES["qwen3-235b"]

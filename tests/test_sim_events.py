@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 from prorsa.sim import events as ev
 from prorsa.sim.events import EventQueue
 
 
+def _pop(q: EventQueue) -> tuple[float, list[tuple[int, object, object]]]:
+    """The earliest time and every event due then, taken off the queue as `Simulation._loop` takes them."""
+    t = heapq.heappop(q.heap)
+    return t, [q.due.pop(t), *q.more.pop(t, ())]
+
+
 def _drain(q: EventQueue) -> list[tuple[float, int, object]]:
     out = []
     while q.heap:
-        t, batch = q.pop()
+        t, batch = _pop(q)
         out += [(t, kind, a) for kind, a, _ in batch]
     return out
 
@@ -35,7 +42,7 @@ def test_an_event_scheduled_for_now_while_now_runs_comes_after_the_ones_already_
     q.push(1.0, ev.ARRIVAL, "a")
     q.push(1.0, ev.ARRIVAL, "b")
     q.push(2.0, ev.ARRIVAL, "c")
-    t, batch = q.pop()
+    t, batch = _pop(q)
     assert (t, [a for _, a, _ in batch]) == (1.0, ["a", "b"])
     q.push(1.0, ev.ARRIVAL, "d")  # scheduled while t = 1.0 runs
     q.push(1.0, ev.ARRIVAL, "e")

@@ -11,7 +11,7 @@ from prorsa.sim.core import Simulation
 from prorsa.sim.hindsight import HindsightOracle, candidates
 from prorsa.sim.runner import SimConfig, _load_workload, run_simulation
 from services.allocator.policies.common import Split
-from services.allocator.policy import make_policy
+from services.allocator.registry import make_policy
 from services.runtime.model_profiles import load_profile
 
 

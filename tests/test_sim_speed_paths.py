@@ -14,7 +14,8 @@ from prorsa.sim.engine import SimEngine
 from prorsa.sim.runner import SimResult
 from prorsa.sim.views import ViewBuilder
 from prorsa.workload.spec import load_workload
-from services.allocator.policy import FixedRolesPolicy, make_policy
+from services.allocator.policy import FixedRolesPolicy
+from services.allocator.registry import make_policy
 from services.runtime.model_profiles import load_profile
 
 _CONFIGS = {

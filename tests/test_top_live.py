@@ -16,7 +16,7 @@ import proto
 from prorsa.client import RolloutClient
 from prorsa.commands.top import watch
 from prorsa.commands.up import wait_healthy
-from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.system import System, SystemConfig
 from prorsa.workload.types import TrajectorySpec, Turn

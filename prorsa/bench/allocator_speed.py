@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles, TrajectoryFeatures
-from services.allocator.policy import ClusterView, EngineView, make_policy
+from services.allocator.policy import ClusterView, EngineView
+from services.allocator.registry import make_policy
 
 HORIZONS_S = (5.0, 10.0, 20.0, 30.0, 60.0)
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from prorsa.forecast_eval.bank import PREDICTORS
 from prorsa.forecast_eval.hints import HINT_MODES
 from prorsa.forecast_eval.split import SPLITS
-from prorsa.sim.driver import MODES
+from prorsa.sim.cli import add_run_arguments, config_from_args
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -32,22 +32,7 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `prorsa forecast-eval` options to `parser`."""
-    parser.add_argument(
-        "--workload", default="swe", help="workload spec (swe, trace:PATH, profile:coding, ...)"
-    )
-    parser.add_argument("--profile", default="qwen3-235b", help="model profile name or profile JSON path")
-    parser.add_argument("--engines", type=int, default=8, help="number of engines")
-    parser.add_argument("--mode", choices=MODES, default="sync", help="RL mode")
-    parser.add_argument(
-        "--staleness", type=int, default=1, help="async: max policy versions a trajectory may lag"
-    )
-    parser.add_argument("--policy", default="colocated", help="allocator policy: colocated, static:P:D, ...")
-    parser.add_argument("--steps", type=int, default=1, help="RL steps (batches) to train")
-    parser.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="cap on virtual time")
-    parser.add_argument("--batch-size", type=int, default=64, help="trajectories per step")
-    parser.add_argument("--group-size", type=int, default=1, help="trajectories per GRPO group")
-    parser.add_argument("--training-s", type=float, default=60.0, help="trainer seconds per batch")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload, simulator and forecasters")
+    add_run_arguments(parser, workload="swe", steps=1)
     parser.add_argument(
         "--horizon", type=float, default=10.0, help="horizon (s) of the table and JSON summary"
     )
@@ -152,27 +137,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prorsa.forecast_eval.evaluate import EvalOptions, horizons_with, run_forecast_eval
-    from prorsa.sim.runner import SimConfig
     from prorsa.workload.errors import WorkloadError
     from services.allocator.policy import PolicyError
 
     console = Console(stderr=True)
     predictors = tuple(p.strip() for p in args.predictors.split(",") if p.strip())
     try:
-        config = SimConfig(
-            workload=args.workload,
-            profile=args.profile,
-            engines=args.engines,
-            mode=args.mode,
-            staleness=args.staleness,
-            training_s=args.training_s,
-            policy=args.policy,
-            seed=args.seed,
-            steps=args.steps,
-            duration_s=args.duration,
-            batch_size=args.batch_size,
-            group_size=args.group_size,
-        )
+        config = config_from_args(args)
         if not (args.horizon > 0):
             raise ValueError(f"--horizon must be > 0, got {args.horizon}")
         options = EvalOptions(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prorsa.sim.driver import StepSource
+from prorsa.sim.sim_driver import StepSource
 from prorsa.workload.types import TrajectorySpec
 from services.forecaster.picture import PendingArrival
 

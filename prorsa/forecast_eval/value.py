@@ -19,7 +19,7 @@ from typing import Any
 
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, run_simulation, simulate
 from prorsa.sim.truth_feed import MAX_PASSES, DemandRecord, _PassFeed, first_pass
-from services.allocator.policy import make_policy
+from services.allocator.registry import make_policy
 from services.runtime.model_profiles import load_profile
 
 TRUTH = "truth"

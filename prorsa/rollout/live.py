@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prorsa.client import RolloutClient
-from prorsa.rollout.driver import RolloutConfig, RolloutDriver
+from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.rollout.recorder import Recorder
 from prorsa.system import System, SystemConfig
 from prorsa.workload.spec import load_workload
-from services.allocator.policy import make_policy
+from services.allocator.registry import make_policy
 from services.runtime.clock import time_scale_set
 from services.runtime.logging import get_logger
 

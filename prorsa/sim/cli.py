@@ -11,7 +11,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from prorsa.sim.driver import MODES
+from prorsa.sim.sim_driver import MODES
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -19,9 +19,14 @@ if TYPE_CHECKING:
     from prorsa.sim.runner import SimConfig, SimResult
 
 
-def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `prorsa sim` options to `parser`."""
-    parser.add_argument("--workload", default="profile:coding", help="workload spec (e.g. swe, profile:math)")
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, workload: str = "profile:coding", steps: int | None = None
+) -> None:
+    """Add the options of one simulated run (what `config_from_args` reads) to `parser`, with the default
+    `workload` and `steps` of the command. `prorsa sim` and `prorsa forecast-eval` share them."""
+    parser.add_argument(
+        "--workload", default=workload, help="workload spec (e.g. swe, trace:PATH, profile:math)"
+    )
     parser.add_argument("--profile", default="qwen3-235b", help="model profile name or profile JSON path")
     parser.add_argument("--engines", type=int, default=8, help="number of engines (serving instances)")
     parser.add_argument("--mode", choices=MODES, default="sync", help="RL mode")
@@ -29,8 +34,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--staleness", type=int, default=1, help="async: max policy versions a trajectory may lag"
     )
     parser.add_argument("--policy", default="colocated", help="allocator policy: colocated, static:P:D, ...")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="RL steps (batches) to train")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload, simulator and forecasters")
+    parser.add_argument("--steps", type=int, default=steps, help="RL steps (batches) to train")
     parser.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="cap on virtual time")
     parser.add_argument("--batch-size", type=int, default=64, help="trajectories per step")
     parser.add_argument("--group-size", type=int, default=1, help="trajectories per GRPO group")
@@ -44,6 +49,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="demand predictor fed to policies that plan on forecasts (prorsa): naive, ewma, ets, arima, "
         "lifecycle, prorsa, or truth (the true future demand, run as passes: prorsa.sim.truth_feed)",
     )
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `prorsa sim` options to `parser`."""
+    add_run_arguments(parser)
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the result as JSON")
     parser.add_argument(
         "--plot", dest="plot_path", metavar="FILE", help="plot demand vs capacity (PNG, PDF, SVG)"
@@ -51,6 +61,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The `SimConfig` of the options `add_run_arguments` added. Raises ValueError on an invalid one."""
     from prorsa.sim.runner import SimConfig
 
     return SimConfig(

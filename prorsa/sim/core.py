@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from prorsa.sim import events as ev
-from prorsa.sim.driver import Driver, StepSource
 from prorsa.sim.engine import SimEngine
 from prorsa.sim.metrics import Metrics
 from prorsa.sim.router import Router
+from prorsa.sim.sim_driver import Driver, StepSource
 from prorsa.sim.state import Request, Traj
 from prorsa.sim.views import DemandFeed, ViewBuilder
 from services.allocator.policy import AllocatorPolicy, ClusterView, FixedRolesPolicy

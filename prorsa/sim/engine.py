@@ -18,10 +18,10 @@ prefill engine caches the prompt it computed; a mixed engine caches prompt + out
 decode engine's KV is never sent back. So a trajectory's next turn on the prefill engine that served its last
 turn recomputes the last output plus the new tokens, on its mixed engine only the new tokens.
 
-Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.switching`, mixed into `SimEngine`.
+Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`, mixed into `SimEngine`.
 
 Speed: the step loop below runs several times per turn, so it keeps running totals instead of re-summing
-(`_active_left`, `_ctx_base`, `_target_sum`), prices steps with `StepCost` (the perf model, precomputed), pushes its
+(`_active_left`, `_ctx_base`, `_target_sum`), prices steps with `StepCost` (the perf model's fast path, `services.runtime.step_cost`), pushes its
 own wake-ups onto the heap, and inlines a few calls where the profile showed them (each marked "inlined"). A lone
 prompt on an idle prefill engine starts without the queue round trip (`enqueue_prefill`). Every shortcut must keep
 the result bit-identical to the general path: `tests/test_sim_speed_paths.py` compares them.
@@ -35,12 +35,12 @@ from heapq import heapify, heappop, heappush
 from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
+from prorsa.sim.engine_switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
 from prorsa.sim.metrics import spread
 from prorsa.sim.state import Request
-from prorsa.sim.stepcost import step_cost
-from prorsa.sim.switching import ACTIVE, DRAINING, RECONFIG, RoleSwitching
 from services.engine_agent.prefix_cache import PrefixCache
 from services.runtime.perf_model import ModelProfile
+from services.runtime.step_cost import step_cost
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
@@ -64,7 +64,7 @@ class SimEngine(RoleSwitching):
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
     __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
     __slots__ += ("_drop_pending", "prefill_tokens_done", "decode_tokens_done")
-    __slots__ += ("_observed", "_turn_done", "_head", "_tail", "_kv_global", "_kv_local", "_window")
+    __slots__ += ("_observed", "_turn_done", "_jump")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         self.engine_id = engine_id
@@ -77,9 +77,8 @@ class SimEngine(RoleSwitching):
         self._push = sim.queue.push
         # For the per-step wake-ups, which inline `EventQueue.push`.
         self._heap, self._due, self._more = sim.queue.heap, sim.queue.due, sim.queue.more
-        self._cost = step_cost(profile)  # the perf model's formulas, precomputed for this profile
-        # `StepCost.jump_s`'s terms, for `_plan_jump` (which inlines it: a jump is planned twice per turn).
-        self._head, self._tail, self._kv_global, self._kv_local, self._window = self._cost.decode_terms()
+        self._cost = step_cost(profile)  # the perf model's fast path for this profile
+        self._jump = self._cost.jump_s  # bound once: a jump is planned twice per turn
         self._observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
         self._turn_done = sim.driver.on_turn_done
         self.state = ACTIVE
@@ -166,8 +165,7 @@ class SimEngine(RoleSwitching):
             if n > p.prefill_batch_tokens:
                 n = p.prefill_batch_tokens
             self._chunks = [(req, n)]
-            compute_s = self._cost.prefill_compute_s(n, req.hit_tokens)
-            self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
+            self._schedule(PREFILL_STEP, now, self._cost.prefill_step_s(((n, req.hit_tokens),)))
             return
         self.queue.append(req)
         self.queued_tokens += req.est_tokens
@@ -231,7 +229,7 @@ class SimEngine(RoleSwitching):
         """Apply the effects of the activity that ends at `now`."""
         kind, t0 = self.activity, self._t_start
         self.activity = IDLE
-        self._busy_s[self.role] += now - t0  # Metrics.on_busy, inlined: once per activity
+        self._busy_s[self.role] += now - t0  # busy seconds of the role, once per activity
         if kind == JUMP:
             self._apply_decode_steps(self._jump_steps, t0, now)
         elif kind == MIXED_STEP:
@@ -274,10 +272,8 @@ class SimEngine(RoleSwitching):
         p = self.p
         self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
         if chunks:
-            compute, compute_s = self._cost.prefill_compute_s, 0  # summed from 0 in order, as sum() does
-            for r, n in chunks:
-                compute_s += compute(n, r.hit_tokens + r.computed_tokens)
-            self._schedule(PREFILL_STEP, now, p.prefill_overhead_s + compute_s)
+            priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in chunks]
+            self._schedule(PREFILL_STEP, now, self._cost.prefill_step_s(priced))
 
     def _plan_mixed_step(self, now: float) -> bool:
         """Start a chunked-prefill step if prompts can go in; False: nothing to chunk (decode only)."""
@@ -354,7 +350,7 @@ class SimEngine(RoleSwitching):
             req.engine = self
             req.kv_tokens = context + req.output_tokens
             self._reserve(req.kv_tokens)
-        metrics = self.metrics  # Metrics.on_prefill_started, inlined (once per turn)
+        metrics = self.metrics  # prefill starts and prompt tokens (once per turn)
         if req.migrated:
             metrics.migration_hit_tokens += hit
         else:
@@ -363,18 +359,9 @@ class SimEngine(RoleSwitching):
             metrics.prefix_hit_tokens += hit
 
     def _mixed_step_s(self) -> float:
-        total = sum(n for _, n in self._chunks)
-        biggest_req, biggest = max(self._chunks, key=lambda c: c[1])
-        ranks = self.p.dp_ranks
-        largest = biggest if len(self._chunks) <= ranks else max(biggest, -(-total // ranks))
-        if ranks == 1:  # one chunk set on one rank: attention at the token-weighted mean context
-            cached = sum((r.hit_tokens + r.computed_tokens) * n for r, n in self._chunks) // total
-        else:
-            cached = biggest_req.hit_tokens + biggest_req.computed_tokens
+        priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks]
         batch = len(self.seqs)
-        return self._cost.mixed_step_s(
-            total, batch, self._ctx_base + batch * self.steps_done, cached, largest
-        )
+        return self._cost.mixed_chunks_step_s(priced, batch, self._ctx_base + batch * self.steps_done)
 
     def _apply_chunks(self, t0: float, now: float) -> None:
         computed = recomputed = wasted = 0
@@ -399,7 +386,7 @@ class SimEngine(RoleSwitching):
         self._chunks = []
         done = computed + recomputed + wasted
         self.prefill_tokens_done += done
-        # Metrics.on_prefill_step, inlined (once per prefill step), with `spread`'s common case: inside one window.
+        # Prompt tokens computed (once per prefill step), with `spread`'s common case inlined: inside one window.
         metrics = self.metrics
         metrics.prefill_computed_tokens += computed
         metrics.migration_recompute_tokens += recomputed
@@ -460,23 +447,7 @@ class SimEngine(RoleSwitching):
         m = (self._finish_heap[0] >> _RID_BITS) - done
         batch = len(self.seqs)
         context = self._ctx_base + batch * done
-        head = self._head
-        if batch < len(head):  # StepCost.jump_s, inlined (its operations in its order: bit-identical)
-            head, tail, window = head[batch], self._tail[batch], self._window
-            kv = self._kv_global * context
-            if window > 0:
-                kv += self._kv_local * (context if context < batch * window else batch * window)
-            a = head + kv + tail
-            if m <= 1:
-                b = 0.0
-            else:
-                last = context + (m - 1) * batch
-                kv = self._kv_global * last
-                if window > 0:
-                    kv += self._kv_local * (last if last < batch * window else batch * window)
-                b = (head + kv + tail - a) / (m - 1)
-        else:  # a batch above max_batch (an empty engine admits whatever comes): the table grows there
-            a, b = self._cost.jump_s(batch, context, m)
+        a, b = self._jump(batch, context, m)
         self._jump_steps, self._jump_a, self._jump_b = m, a, b
         # _schedule(JUMP, ...), inlined: the most frequent activity.
         self.activity = JUMP
@@ -527,7 +498,7 @@ class SimEngine(RoleSwitching):
         self.decode_tokens_done += tokens
         metrics = self.metrics
         metrics.decoded_tokens += tokens
-        # Metrics.on_decoded, inlined (once per decode jump): its common case, a jump inside one window.
+        # Decoded tokens (once per decode jump), with `spread`'s common case inlined: a jump inside one window.
         row, w = metrics.decode_row, metrics.window_s
         index = int(t0 / w)
         if t0 < now and int(now / w) == index and len(row) > index:

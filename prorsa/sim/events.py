@@ -78,12 +78,6 @@ class EventQueue:
             twin.more[t] = copy.deepcopy(events, memo)
         return twin
 
-    def pop(self) -> tuple[float, list[tuple[int, Any, Any]]]:
-        """The earliest time and every event due then (in scheduling order), removed from the queue."""
-        t = heapq.heappop(self.heap)
-        first = self.due.pop(t)
-        return t, [first, *self.more.pop(t, ())]
-
     def peek_time(self) -> float:
         return self.heap[0]
 

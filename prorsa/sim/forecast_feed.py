@@ -41,10 +41,10 @@ from services.forecaster.series import HORIZONS_S
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore
 
 if TYPE_CHECKING:
-    from prorsa.sim.driver import StepSource
     from prorsa.sim.engine import SimEngine
     from prorsa.sim.events import SimObserver
     from prorsa.sim.runner import SimConfig
+    from prorsa.sim.sim_driver import StepSource
     from prorsa.sim.state import Request
 
 # Progress read at a decision is stamped this much before it, so the forecaster's series counts it in the window

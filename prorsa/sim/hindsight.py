@@ -155,7 +155,7 @@ def run_hindsight(config: SimConfig) -> SimResult:
 
     from prorsa.sim.core import Simulation
     from prorsa.sim.runner import SimResult, _load_workload
-    from services.allocator.policy import make_policy
+    from services.allocator.registry import make_policy
     from services.runtime.model_profiles import load_profile
 
     profile = load_profile(config.profile)

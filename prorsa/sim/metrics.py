@@ -124,10 +124,11 @@ def spread(row: list[float], window_s: float, t0: float, t1: float, amount: floa
 
 
 class Metrics:
-    """All counters of one run. Engines and the driver call the `on_*` methods with virtual times.
+    """All counters of one run, with virtual times.
 
-    `on_turn_submitted` (in `Driver.on_arrival`), `on_prefill_started`, `on_prefill_step` and `on_decoded` (in
-    `SimEngine`) are inlined at their once-per-turn or once-per-step call sites; a change here goes there too.
+    The per-turn and per-step counters (turns submitted and the demand row, in `Driver.on_arrival`; busy seconds,
+    prefill starts, prefill steps and decoded tokens, in `SimEngine`) are updated where they happen, on the hot path;
+    role changes go through `role_change`.
     """
 
     def __init__(self, window_s: float = 10.0) -> None:
@@ -189,44 +190,6 @@ class Metrics:
                     self.engine_s[role] += n * (now - t0)
                     self.windows.add_span(f"engine_s_{role}", t0, now, n * (now - t0))
         self._role_since = now
-
-    def on_busy(self, role: str, t0: float, t1: float) -> None:
-        self.busy_s[role] += t1 - t0
-
-    # -- tokens ------------------------------------------------------------------------------------------------
-
-    def on_turn_submitted(self, now: float, new_tokens: int) -> None:
-        self.turns_submitted += 1
-        self.new_prompt_tokens += new_tokens
-        row, index = self.demand_row, int(now / self.window_s)
-        if len(row) <= index:
-            row.extend([0.0] * (index + 1 - len(row)))
-        row[index] += new_tokens
-
-    def on_prefill_started(self, context_tokens: int, hit_tokens: int, migrated: bool) -> None:
-        if migrated:
-            self.migration_hit_tokens += hit_tokens
-        else:
-            self.prefill_starts += 1
-            self.prompt_tokens += context_tokens
-            self.prefix_hit_tokens += hit_tokens
-
-    def on_prefill_step(self, t0: float, t1: float, computed: int, recomputed: int, wasted: int) -> None:
-        """A prefill (or mixed) step computed prompt tokens: first-time, migration re-prefill, and of aborts."""
-        self.prefill_computed_tokens += computed
-        self.migration_recompute_tokens += recomputed
-        self.wasted_prefill_tokens += wasted
-        spread(self.computed_row, self.window_s, t0, t1, computed + recomputed + wasted)
-
-    def on_decoded(self, t0: float, t1: float, tokens: int) -> None:
-        self.decoded_tokens += tokens
-        # `spread`'s common case inlined (a decode jump inside one window): once per decode jump.
-        row, w = self.decode_row, self.window_s
-        index = int(t0 / w)
-        if t0 < t1 and int(t1 / w) == index and len(row) > index:
-            row[index] += tokens
-        else:
-            spread(row, w, t0, t1, tokens)
 
     def finish(self, now: float) -> None:
         """Close the role accounting at the end of the run."""

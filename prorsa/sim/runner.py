@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorsa.sim.core import Simulation
-from prorsa.sim.driver import MODES, StepSource
 from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
+from prorsa.sim.sim_driver import MODES, StepSource
 from prorsa.sim.views import DemandFeed
-from services.allocator.policy import AllocatorPolicy, make_policy
+from services.allocator.policy import AllocatorPolicy
+from services.allocator.registry import make_policy
 from services.engine_agent.backends.sim_scheduler import DEFAULT_MAX_MODEL_LEN
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
@@ -30,7 +31,7 @@ class SimConfig:
     mode: str = "sync"  # "sync" | "async"
     staleness: int = 1  # async: abort trajectories started more than this many versions ago
     training_s: float = 60.0  # trainer time per batch (s)
-    policy: str = "colocated"  # allocator policy spec (services.allocator.policy.make_policy)
+    policy: str = "colocated"  # allocator policy spec (services.allocator.registry.make_policy)
     seed: int = 0
     steps: int | None = None  # batches to train; None with no duration → 1
     duration_s: float | None = None  # cap on virtual time

@@ -34,7 +34,7 @@ from prorsa.forecast_eval.ledger import DemandLedger
 from prorsa.sim.forecast_feed import ForecastFeed, decoded_at, live_feed
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, simulate
 from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles
-from services.allocator.policy import make_policy
+from services.allocator.registry import make_policy
 from services.forecaster.series import HORIZONS_S
 from services.runtime.model_profiles import load_profile
 

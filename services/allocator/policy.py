@@ -1,4 +1,4 @@
-"""The allocator's policy seam: what a policy sees (`ClusterView`), what it returns (`Plan`), and a registry.
+"""The allocator's policy seam: what a policy sees (`ClusterView`), what it returns (`Plan`); fixed-role policies.
 
 Pure: a policy takes a view of the cluster at `view.now` and returns a plan or None (keep the current roles). The
 same policy objects run in the allocator service (views built from engine stats, forecasts and tracker snapshots)
@@ -11,16 +11,16 @@ Rules:
   `Plan.roles` holds only engines that must switch.
 * `initial_plan(engine_ids)` gives the roles to start with (no switching cost at start-up).
 * The caller runs `decide` every `interval_s` seconds (wall clock live, virtual clock in the simulator).
-* `make_policy("name:arg:arg", n_engines, profile=...)` builds a policy from the registry; `register_policy` adds
-  one. `profile` (a `perf_model.ModelProfile`, a built-in profile name, or None for the default) reaches only the
-  factories registered with `uses_profile=True`. The built-in adaptive policies (reactive, dynamo, prorsa, oracle)
-  live in `services.allocator.policies`, which this module imports at its end so that importing it registers them.
+* Policies are built by name from `services.allocator.registry` (`make_policy("name:arg:arg", n_engines,
+  profile=...)`); this module holds the seam and the fixed-role policies (`make_colocated`, `make_static`), and
+  imports no policy module: the adaptive policies (`services.allocator.policies`) import it, the registry imports
+  both.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar
@@ -187,13 +187,14 @@ def _scaled_counts(counts: tuple[tuple[str, int], ...], n: int) -> list[tuple[st
     return [(role, out[role]) for role, _ in counts]
 
 
-def _colocated(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
+def make_colocated(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
+    """`colocated`: every engine mixed (the baseline)."""
     if args:
         raise PolicyError(f"colocated takes no arguments, got {':'.join(args)}")
     return FixedRolesPolicy(name="colocated", interval_s=30.0, counts=(("mixed", n_engines),))
 
 
-def _static(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
+def make_static(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
     """`static:P:D` (P prefill + D decode engines) or `static:P:D:M` (plus M mixed: a hybrid split)."""
     if len(args) not in (2, 3) or not all(a.isdigit() for a in args):
         raise PolicyError(
@@ -208,41 +209,3 @@ def _static(args: Sequence[str], n_engines: int) -> AllocatorPolicy:
         raise PolicyError(f"static:{spec} leaves prefill or decode without an engine")
     counts = tuple((r, n) for r, n in (("prefill", n_prefill), ("decode", n_decode), ("mixed", n_mixed)) if n)
     return FixedRolesPolicy(name=f"static:{spec}", interval_s=30.0, counts=counts)
-
-
-PolicyFactory = Callable[..., AllocatorPolicy]
-_REGISTRY: dict[str, PolicyFactory] = {"colocated": _colocated, "static": _static}
-_USES_PROFILE: set[str] = set()
-
-
-def register_policy(name: str, factory: PolicyFactory, *, uses_profile: bool = False) -> None:
-    """Add a policy factory for spec `name:arg:...`: `factory(args, n_engines)`, or
-    `factory(args, n_engines, profile)` when `uses_profile`. Raises PolicyError on a clash."""
-    if name in _REGISTRY:
-        raise PolicyError(f"policy {name!r} is already registered")
-    _REGISTRY[name] = factory
-    if uses_profile:
-        _USES_PROFILE.add(name)
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def make_policy(spec: str, n_engines: int, *, profile: object | None = None) -> AllocatorPolicy:
-    """Build a policy from `name[:arg...]` for a cluster of `n_engines`, with the engines' performance profile
-    (None = the default profile). Raises PolicyError if unknown/invalid."""
-    if n_engines < 1:
-        raise PolicyError(f"need at least one engine, got {n_engines}")
-    name, *args = spec.strip().split(":")
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
-    if name in _USES_PROFILE:
-        return factory(args, n_engines, profile)
-    return factory(args, n_engines)
-
-
-# Registers reactive, dynamo, prorsa and oracle. At the end on purpose: those modules import the names above, and
-# whichever of the two is imported first, the other then finds them defined (no import cycle).
-import services.allocator.policies  # noqa: E402, F401

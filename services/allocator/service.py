@@ -53,8 +53,9 @@ from services.allocator.capacity import ModelProfile, resolve_profile
 from services.allocator.metrics import AllocatorMetrics
 from services.allocator.observed import QueueDepth, RecentLoad, build_view
 from services.allocator.policies.common import role_demand
-from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError, make_policy, policy_names
-from services.allocator.switcher import SwitchCoordinator
+from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError
+from services.allocator.registry import make_policy, policy_names
+from services.allocator.switch_coordinator import SwitchCoordinator
 from services.runtime import clock
 from services.runtime.service import Service
 

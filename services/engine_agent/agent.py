@@ -3,7 +3,7 @@
 It pulls generation work for its role (`puller.py`), runs it on its backend (`runner.py`), publishes phase and
 progress events on `events.<engine_id>` and `EngineStats` every second on `stats.<engine_id>`, switches role on
 `RoleSwitchCommand`s (request/reply on `cmd.<engine_id>`, epoch-fenced by `role_state.py`, drained by
-`switching.py`; the ack is the reply and is also published on `ack.<engine_id>`), and picks up new weights
+`switch_drain.py`; the ack is the reply and is also published on `ack.<engine_id>`), and picks up new weights
 announced on `policy.version` between requests.
 
 Roles: `prefill` takes GenerateRequests and hands their KV to the decode queue; `decode` takes DecodeHandoffs and
@@ -44,7 +44,7 @@ from services.engine_agent.role_state import (
     on_switch_failed,
 )
 from services.engine_agent.runner import JobRunner
-from services.engine_agent.switching import drain_for_switch, hand_off_all
+from services.engine_agent.switch_drain import drain_for_switch, hand_off_all
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
 from services.runtime import clock
 from services.runtime.service import Service

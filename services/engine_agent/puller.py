@@ -34,7 +34,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import DecodeHandoff, GenerateRequest, Subjects
-from services.engine_agent.capacity import EngineLimits, WorkKind, pull_size
+from services.engine_agent.pull_capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime import clock
 from services.runtime.bus import WORK_MAX_DELIVER

@@ -35,7 +35,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
 from proto import EngineStats, Message
-from services.engine_agent.capacity import WorkKind
+from services.engine_agent.pull_capacity import WorkKind
 from services.engine_agent.puller import durable_name
 
 

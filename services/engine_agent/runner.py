@@ -37,8 +37,8 @@ from proto import (
 )
 from services.engine_agent import outputs
 from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
-from services.engine_agent.capacity import Ewma, HeldWork, kv_reservation_tokens
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
+from services.engine_agent.pull_capacity import Ewma, HeldWork, kv_reservation_tokens
 from services.runtime import clock
 
 MAX_DONE_KEYS = 100_000  # (request_id, stream sequence) pairs remembered for de-duplication

@@ -2,7 +2,9 @@
 
 Pure and deterministic: plain arithmetic on a `ModelProfile`; no clock, no randomness, no I/O. The simulator
 (`prorsa.sim`) and the simulated engine backend call it; a real engine's calibration fits its coefficients
-(`model_profiles.profile_to_json` documents the file).
+(`model_profiles.profile_to_json` documents the file). This is the one copy of every formula: the fast path the
+simulator prices its steps with (`step_cost.StepCost`: the per-batch terms tabulated) is built from the functions
+below and adds their terms in their order, and `tests/test_step_cost.py` checks that it equals them bit for bit.
 
 It lives in the shared runtime, not in `services/engine_agent/`, because three parts need the same model: the
 engine agent's simulated backend, the allocator's capacity model, and the simulator. Services may import only the
@@ -39,6 +41,7 @@ Theory of operation (every time in seconds, every size in tokens):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 # Context length per sequence at which `decode_tokens_per_s_nominal` quotes an engine's decode capacity.
@@ -137,6 +140,15 @@ def prefill_time_s(p: ModelProfile, new_tokens: int, cached_tokens: int = 0) -> 
     return p.prefill_overhead_s + prefill_compute_s(p, new_tokens, cached_tokens)
 
 
+def prefill_step_time_s(p: ModelProfile, chunks: Sequence[tuple[int, int]]) -> float:
+    """Seconds for one step of a prefill-role engine (no decodes) computing `chunks`, each (new tokens, cached
+    tokens before it): the step's overhead plus every chunk's compute, summed in order."""
+    compute_s = 0.0
+    for new_tokens, cached_tokens in chunks:
+        compute_s += prefill_compute_s(p, new_tokens, cached_tokens)
+    return p.prefill_overhead_s + compute_s
+
+
 def experts_touched_fraction(p: ModelProfile, batch: int) -> float:
     """Expected fraction of routed experts at least one of `batch` tokens routes to (uniform routing)."""
     if batch <= 0:
@@ -144,8 +156,34 @@ def experts_touched_fraction(p: ModelProfile, batch: int) -> float:
     return 1.0 - (1.0 - p.experts_per_token / p.experts_total) ** batch
 
 
+def decode_fixed_s(p: ModelProfile, batch: int) -> float:
+    """The part of a decode step of `batch` sequences that does not grow with context: overhead + weight reads."""
+    weights = p.weight_dense_read_s + p.weight_experts_read_s * experts_touched_fraction(p, batch)
+    return p.decode_overhead_s + weights
+
+
+def decode_per_seq_total_s(p: ModelProfile, batch: int) -> float:
+    """Per-sequence compute and sampling of a decode step of `batch` sequences."""
+    return p.decode_per_seq_s * batch
+
+
+def decode_kv_read_s(p: ModelProfile, batch: int, total_context_tokens: int) -> float:
+    """KV reads of a decode step of `batch` sequences holding `total_context_tokens` in all.
+
+    Equal contexts assumed for the local layers: each sequence reads min(T / batch, W) of their tokens.
+    """
+    kv = p.kv_global_read_s_per_token * total_context_tokens
+    window = p.attn_local_window_tokens
+    if window > 0:  # min(T, batch × W), as a comparison: the simulator prices two of these per decode jump
+        cap = batch * window
+        kv += p.kv_local_read_s_per_token * (total_context_tokens if total_context_tokens < cap else cap)
+    return kv
+
+
 def decode_step_time_s(p: ModelProfile, batch: int, total_context_tokens: int) -> float:
-    """Seconds for one decode step of `batch` sequences with `total_context_tokens` of KV among them.
+    """Seconds for one decode step of `batch` sequences with `total_context_tokens` of KV among them:
+    (`decode_fixed_s` + `decode_kv_read_s`) + `decode_per_seq_total_s`, summed in that order (the fast path,
+    `step_cost.StepCost`, tabulates the per-batch terms and adds them in the same order: bit-identical).
 
     0 for an empty batch (nothing runs). Raises ValueError on negative inputs.
     """
@@ -153,12 +191,8 @@ def decode_step_time_s(p: ModelProfile, batch: int, total_context_tokens: int) -
         raise ValueError(f"negative decode input: batch={batch} context={total_context_tokens}")
     if batch == 0:
         return 0.0
-    weights = p.weight_dense_read_s + p.weight_experts_read_s * experts_touched_fraction(p, batch)
-    kv = p.kv_global_read_s_per_token * total_context_tokens
-    if p.attn_local_window_tokens > 0:
-        # Equal contexts assumed: each sequence reads min(T / batch, W) tokens of its local layers.
-        kv += p.kv_local_read_s_per_token * min(total_context_tokens, batch * p.attn_local_window_tokens)
-    return p.decode_overhead_s + weights + kv + p.decode_per_seq_s * batch
+    fixed = decode_fixed_s(p, batch)
+    return fixed + decode_kv_read_s(p, batch, total_context_tokens) + decode_per_seq_total_s(p, batch)
 
 
 def slowest_rank_prefill_tokens(p: ModelProfile, prefill_tokens: int) -> int:
@@ -191,9 +225,24 @@ def mixed_step_time_s(
     if prefill_tokens < 0 or prefill_cached_tokens < 0:
         raise ValueError(f"negative prefill input: {prefill_tokens}, cached {prefill_cached_tokens}")
     decode = decode_step_time_s(p, decode_batch, decode_context_tokens)
+    return mixed_step_from_decode_s(
+        p, decode, decode_batch, prefill_tokens, prefill_cached_tokens, largest_rank_prefill_tokens
+    )
+
+
+def mixed_step_from_decode_s(
+    p: ModelProfile,
+    decode_s: float,
+    decode_batch: int,
+    prefill_tokens: int,
+    prefill_cached_tokens: int,
+    largest_rank_prefill_tokens: int | None,
+) -> float:
+    """`mixed_step_time_s` given its decode step's time `decode_s` (of `decode_batch` sequences), for a caller
+    that has priced the decode step already (the fast path's tables). Inputs are not validated."""
     if prefill_tokens == 0:
-        return decode
-    base = decode if decode_batch > 0 else p.prefill_overhead_s
+        return decode_s
+    base = decode_s if decode_batch > 0 else p.prefill_overhead_s
     if p.dp_ranks == 1:
         return base + prefill_compute_s(p, prefill_tokens, prefill_cached_tokens)
     rank_tokens = largest_rank_prefill_tokens
@@ -203,11 +252,38 @@ def mixed_step_time_s(
     return base + p.dp_ranks * prefill_compute_s(p, rank_tokens, prefill_cached_tokens)
 
 
+def mixed_step_shape(p: ModelProfile, chunks: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    """(prefill tokens, cached tokens, largest rank's prefill tokens) with which `mixed_step_time_s` prices a
+    chunked-prefill step carrying `chunks`, each (new tokens, cached tokens before it; at least one chunk).
+
+    Each chunk lives on one rank; with more chunks than ranks the busiest rank holds at least an even share. With
+    one rank, attention is priced at the token-weighted mean context before the chunks; with DP attention, at the
+    context of the biggest chunk (the first of the biggest), whose rank the step waits for.
+    """
+    total = 0
+    for new_tokens, _ in chunks:
+        total += new_tokens
+    biggest, biggest_cached = max(chunks, key=_chunk_tokens)
+    ranks = p.dp_ranks
+    largest = biggest if len(chunks) <= ranks else max(biggest, -(-total // ranks))
+    if ranks == 1:
+        cached = 0
+        for new_tokens, cached_tokens in chunks:
+            cached += cached_tokens * new_tokens
+        return total, cached // max(total, 1), largest
+    return total, biggest_cached, largest
+
+
+def _chunk_tokens(chunk: tuple[int, int]) -> int:
+    return chunk[0]
+
+
 def kv_transfer_bytes(p: ModelProfile, tokens: int) -> float:
     """Bytes moved to hand `tokens` of context from one engine to another."""
     if tokens < 0:
         raise ValueError(f"negative token count: {tokens}")
-    local = min(tokens, p.attn_local_window_tokens) * p.kv_transfer_local_bytes_per_token
+    window = p.attn_local_window_tokens
+    local = (tokens if tokens < window else window) * p.kv_transfer_local_bytes_per_token  # min(tokens, W)
     return tokens * p.kv_transfer_bytes_per_token + local
 
 

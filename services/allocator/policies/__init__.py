@@ -1,4 +1,4 @@
-"""The adaptive allocator policies, registered by name in `services.allocator.policy`'s registry on import.
+"""The adaptive allocator policies (registered by name in `services.allocator.registry`).
 
 | spec       | module        | decides from                                                        |
 |------------|---------------|---------------------------------------------------------------------|
@@ -11,14 +11,8 @@ Each takes `key=value` arguments after its name (e.g. `prorsa:margin=0.05`) and 
 performance profile (`make_policy(spec, n, profile=...)`).
 """
 
-from services.allocator.policies.dynamo import DynamoPolicy, make_dynamo
-from services.allocator.policies.prorsa import ProrsaPolicy, make_oracle, make_prorsa
-from services.allocator.policies.reactive import ReactivePolicy, make_reactive
-from services.allocator.policy import register_policy
-
-register_policy("reactive", make_reactive, uses_profile=True)
-register_policy("dynamo", make_dynamo, uses_profile=True)
-register_policy("prorsa", make_prorsa, uses_profile=True)
-register_policy("oracle", make_oracle, uses_profile=True)
+from services.allocator.policies.dynamo import DynamoPolicy
+from services.allocator.policies.prorsa import ProrsaPolicy
+from services.allocator.policies.reactive import ReactivePolicy
 
 __all__ = ["DynamoPolicy", "ProrsaPolicy", "ReactivePolicy"]

@@ -5,9 +5,10 @@ Pure (no asyncio, no clock: `now` is a parameter; durations come from `perf_mode
 mirror the discrete-event simulator (`prorsa/sim/engine.py`), so the live simulated system and the simulator agree:
 
 * A step carries prefill chunks and the whole decode batch. In the `prefill` role a step takes queued prompts FIFO
-  up to `prefill_batch_tokens` of uncached tokens and costs `prefill_overhead_s + Σ prefill_compute_s(chunk,
-  context before it)`; in the other roles chunks are at most `mixed_chunk_tokens` per request (and per DP rank)
-  and a step costs `mixed_step_time_s` (the decode step plus the prefill compute; DP attention stalls every rank).
+  up to `prefill_batch_tokens` of uncached tokens and costs `prefill_step_time_s` (`prefill_overhead_s + Σ
+  prefill_compute_s(chunk, context before it)`); in the other roles chunks are at most `mixed_chunk_tokens` per
+  request (and per DP rank) and a step costs `mixed_step_time_s` of `mixed_step_shape(chunks)` (the decode step
+  plus the prefill compute; DP attention stalls every rank).
   A step with no prefill costs `decode_step_time_s(batch, total context)`.
 * The step that completes a prompt samples its first output token (vLLM does), so a prefill-for-remote-decode
   yields the first token and a local prefill streams it at once.
@@ -268,18 +269,10 @@ class SimScheduler:
     def _duration_s(self, chunks: list[tuple[SimSeq, int]], batch: int) -> float:
         if not chunks:
             return pm.decode_step_time_s(self.p, batch, self._ctx_total)
+        priced = [(n, s.hit_tokens + s.computed) for s, n in chunks]
         if self.role == "prefill" and batch == 0:
-            return self.p.prefill_overhead_s + sum(
-                pm.prefill_compute_s(self.p, n, s.hit_tokens + s.computed) for s, n in chunks
-            )
-        total = sum(n for _, n in chunks)
-        biggest_seq, biggest = max(chunks, key=lambda c: c[1])
-        ranks = self.p.dp_ranks
-        largest = biggest if len(chunks) <= ranks else max(biggest, -(-total // ranks))
-        if ranks == 1:  # one rank: attention at the token-weighted mean context
-            cached = sum((s.hit_tokens + s.computed) * n for s, n in chunks) // max(total, 1)
-        else:
-            cached = biggest_seq.hit_tokens + biggest_seq.computed
+            return pm.prefill_step_time_s(self.p, priced)
+        total, cached, largest = pm.mixed_step_shape(self.p, priced)
         return pm.mixed_step_time_s(
             self.p,
             total,

@@ -362,10 +362,6 @@ class VllmEngine:
             first = False
             yield chunk
 
-    async def release_remote_prefill(self, request_id: str, kv_transfer_params: Mapping[str, Any]) -> None:
-        """Tell the prefill engine named in `kv_transfer_params` to free a handoff this engine will not decode."""
-        await self._engine().notify_kv_transfer_request_rejected(request_id, dict(kv_transfer_params))
-
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored."""
         if self._llm is not None:

@@ -1,4 +1,6 @@
-"""The RL driver: submits every step's trajectories turn by turn, and runs the trainer's clock.
+"""The simulator's RL driver: submits every step's trajectories turn by turn, and runs the trainer's clock.
+
+(Its twin over the live system is `prorsa/rollout/live_driver.py`.)
 
 A trajectory's turn 0 is submitted at its step's start + `arrival_s`; turn k when turn k−1's output is done plus
 that turn's tool latency. A trajectory completes when its last turn's output is done.
@@ -130,7 +132,7 @@ class Driver:
         self._next_rid += 1
         req = Request(self._next_rid, traj, traj.turn, traj.context_tokens, turn.output_tokens)
         traj.request = req
-        metrics, new_tokens = self._metrics, turn.new_prompt_tokens  # Metrics.on_turn_submitted, inlined
+        metrics, new_tokens = self._metrics, turn.new_prompt_tokens  # turns submitted and the demand row
         metrics.turns_submitted += 1
         metrics.new_prompt_tokens += new_tokens
         row, index = metrics.demand_row, int(now / metrics.window_s)

@@ -1,5 +1,7 @@
 """How much work an engine may pull now, and which decodes a drain lets finish (pure: no I/O, no clock).
 
+(Not the allocator's capacity model, `services/allocator/capacity.py`: that one is the rates a policy plans with.)
+
 Capacity-driven pulling: an engine takes work from the JetStream queues only when it can start it soon, so work
 it cannot run stays in the shared queue where an idle engine takes it.
 - prefill work (prefill role): a token budget of prompt tokens held but not yet prefilled, so the next prefill

@@ -5,7 +5,7 @@ A switch (the epoch decision is `role_state`'s; this only executes an accepted c
 2. work queued for this engine by address that the new role will not pull moves to the shared queue;
 3. every held request meets its `role_state.job_fate`: prefills finish (the batch completes); decodes the new role
    also serves keep running; other decodes finish if expected to end within the command's `drain_timeout_s` and
-   migrate otherwise (`capacity.plan_drain`, from each request's observed inter-token time);
+   migrate otherwise (`pull_capacity.plan_drain`, from each request's observed inter-token time);
 4. requests still running when the drain timeout passes migrate too, so a switch takes bounded time;
 5. the backend reconfigures (`set_role`: the sim backend pays the profile's switch cost).
 A graceful stop hands on everything at once: nothing the engine held is lost, and migrated streams stay exact
@@ -22,8 +22,8 @@ import asyncio
 from typing import Any
 
 from proto import RoleSwitchCommand
-from services.engine_agent.capacity import DrainItem, plan_drain
 from services.engine_agent.jobs import Job
+from services.engine_agent.pull_capacity import DrainItem, plan_drain
 from services.engine_agent.role_state import job_fate
 from services.runtime import clock
 

@@ -1,4 +1,6 @@
-"""The agentic RL rollout driver: replays a workload's trajectories over the live system through the client SDK.
+"""The live RL driver: replays a workload's trajectories over the live system through the client SDK.
+
+(Its twin in the simulator, in virtual time, is `prorsa/sim/sim_driver.py`.)
 
 Each trajectory runs as its own task: turn k is submitted once turn k−1's output is back and its tool call (the
 trace's or profile's latency) has finished; its prompt is the whole history (for real engines: the previous prompt,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine_agent.capacity import (
+from services.engine_agent.pull_capacity import (
     DrainItem,
     EngineLimits,
     Ewma,

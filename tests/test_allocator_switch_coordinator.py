@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import EngineStats, RoleSwitchAck
-from services.allocator.switcher import DECODE_CAPABLE, PREFILL_CAPABLE, SwitchCoordinator
+from services.allocator.switch_coordinator import DECODE_CAPABLE, PREFILL_CAPABLE, SwitchCoordinator
 
 ROLES = ("prefill", "decode", "mixed")
 
