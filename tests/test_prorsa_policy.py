@@ -57,6 +57,24 @@ def test_a_switch_costs_the_turns_the_transition_does_not_serve() -> None:
     assert projected_turns(steady, slow, 10.0, 60.0) < projected_turns(steady, slow, 0.0, 60.0)
 
 
+def test_a_queue_past_the_affinity_threshold_puts_the_model_on_the_congested_branch() -> None:
+    """The loop is bistable (misses lengthen the queue that caused them): from an empty cluster the model finds the
+    uncongested solution; from a queue of whole-context recomputes past the threshold, the congested one — for a
+    split and for colocation alike, so neither family looks better only because its branch was not modelled."""
+    cap = make_capacity("deepseek-v3.2")
+    threshold = 2.0 * cap.profile.prefill_tokens_per_s
+    for split in (Split(4, 4), Split(0, 0, 8)):
+        empty = turn_time(split, PREFILL_HEAVY, 128, cap)
+        # a short queue of hits (below the threshold) leaves the solution where it was
+        short = turn_time(split, PREFILL_HEAVY, 128, cap, queued_prefills=4, queued_tokens=4 * 2_600)
+        assert short.turn_s == pytest.approx(empty.turn_s, rel=1e-3)  # the fixed point's tolerance
+        # 80 prompts that are mostly whole contexts (40k tokens each), far past the threshold on every engine
+        queued_tokens = 80 * 0.8 * PREFILL_HEAVY.context_tokens
+        assert queued_tokens / split.total > threshold
+        congested = turn_time(split, PREFILL_HEAVY, 128, cap, queued_prefills=80, queued_tokens=queued_tokens)
+        assert congested.prefill_s > 3 * empty.prefill_s and congested.turn_s > 1.3 * empty.turn_s
+
+
 def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:
     return EngineView(
         engine_id=f"e{i}",

@@ -103,6 +103,8 @@ class ProrsaPolicy(AllocatorPolicy):
     error_weight: float = 0.2
     _error: float = field(default=-1.0, repr=False)
     _memo: dict[tuple[Split, TurnShape, float], TurnTime] = field(default_factory=dict, repr=False)
+    _queued: float = field(default=0.0, repr=False)  # prompts waiting for prefill now (turn_time's start)
+    _queued_tokens: float = field(default=0.0, repr=False)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -132,6 +134,8 @@ class ProrsaPolicy(AllocatorPolicy):
     def plan(self, view: ClusterView) -> Plan | None:
         _check_view(view)
         self._memo.clear()  # the capacity model's corrections change below
+        self._queued = float(sum(e.waiting for e in view.engines if e.role in ("prefill", "mixed")))
+        self._queued_tokens = float(view.prefill_queue_tokens)
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
@@ -249,7 +253,9 @@ class ProrsaPolicy(AllocatorPolicy):
         key = (split, shape, n)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = turn_time(split, shape, n, self.capacity, self.affinity_s)
+            hit = self._memo[key] = turn_time(
+                split, shape, n, self.capacity, self.affinity_s, self._queued, self._queued_tokens
+            )
         return hit
 
     # -- what the view says -------------------------------------------------------------------------------------

@@ -75,22 +75,31 @@ class TurnTime:
 
 
 def turn_time(
-    split: Split, shape: TurnShape, trajectories: float, cap: CapacityModel, affinity_s: float = 2.0
+    split: Split,
+    shape: TurnShape,
+    trajectories: float,
+    cap: CapacityModel,
+    affinity_s: float = 2.0,
+    queued_prefills: float = 0.0,
+    queued_tokens: float = 0.0,
 ) -> TurnTime:
     """R and X for `trajectories` live trajectories on `split` (a plain P:D split or full colocation 0:0:M).
 
     A split with a role that has work and no engine gets R = inf. Hybrids (mixed beside dedicated engines) are
     modelled as colocation over the mixed engines with the dedicated ones idle — the prorsa policy does not offer
     them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `affinity_s`: queued prefill
-    seconds above which placement sends a turn away from the engine holding its prefix (the router's rule)."""
+    seconds above which placement sends a turn away from the engine holding its prefix (the router's rule).
+    `queued_prefills`: prompts waiting for prefill in the cluster now; the fixed point starts from them (below)."""
     n = max(float(trajectories), 0.0)
     if n <= 0:
         return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
     if split.mixed:
-        return _colocated(split.mixed, shape, n, cap)
+        return _colocated(split.mixed, shape, n, cap, affinity_s, queued_prefills, queued_tokens)
     if split.prefill <= 0 or split.decode <= 0:
         return TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, shape.tool_s)
-    return _disaggregated(split.prefill, split.decode, shape, n, cap, affinity_s)
+    return _disaggregated(
+        split.prefill, split.decode, shape, n, cap, affinity_s, queued_prefills, queued_tokens
+    )
 
 
 def _decode_context(shape: TurnShape) -> float:
@@ -122,7 +131,14 @@ class _DecodeStep:
 
 
 def _disaggregated(
-    n_prefill: int, n_decode: int, shape: TurnShape, n: float, cap: CapacityModel, affinity_s: float
+    n_prefill: int,
+    n_decode: int,
+    shape: TurnShape,
+    n: float,
+    cap: CapacityModel,
+    affinity_s: float,
+    queued_prefills: float = 0.0,
+    queued_tokens: float = 0.0,
 ) -> TurnTime:
     p = cap.profile
     hit_uncached = max(1.0, shape.new_tokens + shape.output_tokens)
@@ -135,7 +151,7 @@ def _disaggregated(
     step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
     shrink = max(0.0, (n - 1.0) / n)  # Schweitzer: the queue an arrival sees, without itself (none below one)
-    q_p = q_d = 0.0
+    q_d = 0.0
     miss = 0.0
     r = r_p = r_d = 0.0
     # Placement's rule (prorsa.sim.router): a turn leaves its engine when more than `affinity_s` of prefill is
@@ -146,6 +162,17 @@ def _disaggregated(
     # branch even where the uncongested one exists — the one a cluster that starts empty is on.
     last = 0.0
     settled = False  # phase 1 (no misses) has converged
+    # The loop is bistable where misses feed queues and queues feed misses: past the affinity threshold a turn
+    # recomputes its whole context, which lengthens the queue that sent it away. A cluster that starts empty is
+    # on the uncongested branch (above); one whose prefill queue is already past the threshold is on the congested
+    # one, and stays there while it exists. So the fixed point starts from the queue the cluster holds now, with
+    # misses from the first iteration, when that queue alone is past the threshold.
+    q_p = min(max(queued_prefills, 0.0), n) / n_prefill
+    if queued_prefills > 0 and queued_tokens / n_prefill > threshold_tokens:
+        settled = True
+        # the misses that make up the queue now: its mean job between a hit's and a whole context's tokens
+        mean_job = queued_tokens / queued_prefills
+        miss = min(1.0, max(0.0, (mean_job - hit_uncached) / max(ctx_in - hit_uncached, 1.0)))
     for i in range(2 * _ITERATIONS):
         if not settled:
             miss = 0.0
@@ -173,10 +200,24 @@ def _disaggregated(
     return TurnTime(r, n / r, r_p, r_d, handoff, shape.tool_s)
 
 
-def _colocated(n_mixed: int, shape: TurnShape, n: float, cap: CapacityModel) -> TurnTime:
+def _colocated(
+    n_mixed: int,
+    shape: TurnShape,
+    n: float,
+    cap: CapacityModel,
+    affinity_s: float = 2.0,
+    queued_prefills: float = 0.0,
+    queued_tokens: float = 0.0,
+) -> TurnTime:
     p = cap.profile
     ranks = p.dp_ranks
     uncached = max(1.0, shape.new_tokens)
+    # The same congested branch as a split's (_disaggregated): a queue past the affinity threshold sends turns
+    # away from their cache, and the share of whole-context recomputes is the one the queue holds now.
+    if queued_prefills > 0 and queued_tokens / n_mixed > affinity_s * p.prefill_tokens_per_s:
+        ctx_in = max(uncached, shape.context_tokens)
+        miss = min(1.0, max(0.0, (queued_tokens / queued_prefills - uncached) / max(ctx_in - uncached, 1.0)))
+        uncached = (1.0 - miss) * uncached + miss * ctx_in
     cached = max(0.0, shape.context_tokens - uncached)
     steps = max(1.0, uncached / p.mixed_chunk_tokens)
     # Each chunk makes its step dp_ranks × its compute longer (perf_model.mixed_step_time_s): over the prompt's
