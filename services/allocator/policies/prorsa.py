@@ -18,6 +18,8 @@ Inputs, all from the view (so the live allocator and the simulator run this same
   output under a split), output tokens, context at prefill (ISL + cached), tool time by Little's law from the
   tracker snapshot (trajectories in a tool call / turns submitted per second);
 * N: live trajectories in the snapshot (else engines' requests + queued turns + those in a tool call by Little);
+* the prompts and tokens waiting for prefill now: a queue past the affinity threshold puts the model on its
+  congested branch (turn_model: misses recompute whole contexts and feed the queue that caused them);
 * risk: the forecast's q10 / q50 / q90 of new prompt tokens over its longest horizon scale N (demand rising or
   falling: more or fewer trajectories active), and the score is their weighted mean with weights 0.304 / 0.392 /
   0.304, the three-point rule that reproduces a normal forecast's variance (q10, q90 = median ∓ 1.28 σ);
