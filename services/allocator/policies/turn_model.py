@@ -89,7 +89,8 @@ def turn_time(
     modelled as colocation over the mixed engines with the dedicated ones idle — the prorsa policy does not offer
     them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `affinity_s`: queued prefill
     seconds above which placement sends a turn away from the engine holding its prefix (the router's rule).
-    `queued_prefills`: prompts waiting for prefill in the cluster now; the fixed point starts from them (below)."""
+    `queued_prefills`, `queued_tokens`: prompts and their tokens waiting for prefill in the cluster now; the fixed
+    point starts from them when they alone are past the affinity threshold (`_congested_miss_share`)."""
     n = max(float(trajectories), 0.0)
     if n <= 0:
         return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
@@ -130,6 +131,23 @@ class _DecodeStep:
         return (t_lo + (batch - lo) * (t_hi - t_lo)) / self.cap.decode_correction
 
 
+def _congested_miss_share(
+    queued_prefills: float,
+    queued_tokens: float,
+    engines: int,
+    hit_tokens: float,
+    whole_tokens: float,
+    threshold_tokens: float,
+) -> float | None:
+    """The congested branch's start: when the prefill queue the cluster holds now is, on its own, past the affinity
+    threshold on each of `engines`, the share of whole-context recomputes in it — its mean job placed between a
+    hit's `hit_tokens` and a whole context's `whole_tokens`. None while the queue is under the threshold."""
+    if queued_prefills <= 0 or queued_tokens / engines <= threshold_tokens:
+        return None
+    mean_job = queued_tokens / queued_prefills
+    return min(1.0, max(0.0, (mean_job - hit_tokens) / max(whole_tokens - hit_tokens, 1.0)))
+
+
 def _disaggregated(
     n_prefill: int,
     n_decode: int,
@@ -168,11 +186,12 @@ def _disaggregated(
     # one, and stays there while it exists. So the fixed point starts from the queue the cluster holds now, with
     # misses from the first iteration, when that queue alone is past the threshold.
     q_p = min(max(queued_prefills, 0.0), n) / n_prefill
-    if queued_prefills > 0 and queued_tokens / n_prefill > threshold_tokens:
+    congested = _congested_miss_share(
+        queued_prefills, queued_tokens, n_prefill, hit_uncached, ctx_in, threshold_tokens
+    )
+    if congested is not None:
         settled = True
-        # the misses that make up the queue now: its mean job between a hit's and a whole context's tokens
-        mean_job = queued_tokens / queued_prefills
-        miss = min(1.0, max(0.0, (mean_job - hit_uncached) / max(ctx_in - hit_uncached, 1.0)))
+        miss = congested
     for i in range(2 * _ITERATIONS):
         if not settled:
             miss = 0.0
@@ -214,9 +233,11 @@ def _colocated(
     uncached = max(1.0, shape.new_tokens)
     # The same congested branch as a split's (_disaggregated): a queue past the affinity threshold sends turns
     # away from their cache, and the share of whole-context recomputes is the one the queue holds now.
-    if queued_prefills > 0 and queued_tokens / n_mixed > affinity_s * p.prefill_tokens_per_s:
-        ctx_in = max(uncached, shape.context_tokens)
-        miss = min(1.0, max(0.0, (queued_tokens / queued_prefills - uncached) / max(ctx_in - uncached, 1.0)))
+    ctx_in = max(uncached, shape.context_tokens)
+    miss = _congested_miss_share(
+        queued_prefills, queued_tokens, n_mixed, uncached, ctx_in, affinity_s * p.prefill_tokens_per_s
+    )
+    if miss is not None:
         uncached = (1.0 - miss) * uncached + miss * ctx_in
     cached = max(0.0, shape.context_tokens - uncached)
     steps = max(1.0, uncached / p.mixed_chunk_tokens)
