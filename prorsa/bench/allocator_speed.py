@@ -1,13 +1,15 @@
 """Decision latency of the allocator policies: one forecast + cluster view in, one plan (or none) out.
 
     python -m prorsa.bench.allocator_speed [--engines 256] [--trajectories 10000] [--decisions 300]
-        [--policies prorsa,reactive,dynamo]
+        [--step-every 60] [--policies prorsa,reactive,dynamo]
 
 Every decision gets a different view (seeded random roles, queues, batches, KV) and a forecast over five horizons,
 so neither hysteresis nor any cache makes later decisions cheaper than the first. The time measured is
 `policy.decide(view)` — what the allocator service and the simulator call every interval. Building the view is not
 timed (the service builds it from messages it already holds). Dynamo refits its ARIMA predictors on its slow
-interval (60 s of view time = every 12th decision); statsmodels is imported before timing starts.
+interval (60 s of view time = every 12th decision); statsmodels is imported before timing starts. Every
+`step_every` decisions a new RL step starts (a snapshot of new trajectories), so the decisions timed include
+prorsa's step starts, which replay the last step through the turn model for every candidate split.
 Target: ≤ 20 ms p99 at 256 engines.
 """
 
@@ -61,15 +63,17 @@ def random_forecast(rng: np.random.Generator, n: int, now: float) -> DemandForec
     return DemandForecast(ts_s=now, predictor="bench", horizons=horizons)
 
 
-def random_snapshot(rng: np.random.Generator, trajectories: int, now: float) -> LifecycleSnapshot:
-    """The tracker's picture of `trajectories` live trajectories, in random phases and turns."""
+def random_snapshot(
+    rng: np.random.Generator, trajectories: int, now: float, step: int = 0
+) -> LifecycleSnapshot:
+    """The tracker's picture of `trajectories` live trajectories of RL step `step`, in random phases and turns."""
     states = rng.choice(
         ["queued", "prefill", "decode", "tool_call"], size=trajectories, p=[0.05, 0.05, 0.5, 0.4]
     )
     counts = {s: int((states == s).sum()) for s in ("queued", "prefill", "decode", "tool_call")}
     trajs = [
         TrajectoryFeatures(
-            traj_id=f"t{i}",
+            traj_id=f"s{step}-t{i}",
             task="general",
             state=str(st),
             time_in_state_s=1.0,
@@ -134,15 +138,29 @@ def random_view(
 
 
 def bench(
-    spec: str, engines: int = 256, decisions: int = 300, seed: int = 0, trajectories: int = 10_000
+    spec: str,
+    engines: int = 256,
+    decisions: int = 300,
+    seed: int = 0,
+    trajectories: int = 10_000,
+    step_every: int = 60,
 ) -> Timing:
     """Time `decisions` calls of `decide` for policy `spec` on fresh random views (5 s of view time apart), each
-    with a tracker snapshot of `trajectories` live trajectories (a few distinct ones, reused: building 10k
-    features per view is the tracker's cost, not the decision's)."""
+    with a tracker snapshot of `trajectories` live trajectories (a few distinct ones per RL step, reused:
+    building 10k features per view is the tracker's cost, not the decision's); a new step every `step_every`."""
     rng = np.random.default_rng(seed)
     policy = make_policy(spec, engines)
-    snaps = [random_snapshot(rng, trajectories, 5.0 * (k + 1)) for k in range(4)] if trajectories else [None]
-    views = [random_view(rng, engines, 5.0 * (k + 1), snaps[k % len(snaps)]) for k in range(decisions)]
+    steps = -(-decisions // max(step_every, 1))
+    snaps = [
+        [random_snapshot(rng, trajectories, 5.0 * (k + 1), step) for k in range(4)]
+        if trajectories
+        else [None]
+        for step in range(steps)
+    ]
+    views = [
+        random_view(rng, engines, 5.0 * (k + 1), snaps[k // max(step_every, 1)][k % len(snaps[0])])
+        for k in range(decisions)
+    ]
     times: list[float] = []
     plans = 0
     for v in views:
@@ -171,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=256)
     parser.add_argument("--decisions", type=int, default=300)
     parser.add_argument("--trajectories", type=int, default=10_000, help="live trajectories in each snapshot")
+    parser.add_argument("--step-every", type=int, default=60, help="decisions per RL step (60: 5 min)")
     parser.add_argument("--policies", default="prorsa,reactive,dynamo")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -180,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = ("policy", "engines", "decisions", "plans", "p50 ms", "p99 ms", "max ms")
     print(f"{header[0]:<12} " + " ".join(f"{h:>{max(5, len(h))}}" for h in header[1:]))
     for spec in specs:
-        t = bench(spec, args.engines, args.decisions, args.seed, args.trajectories)
+        t = bench(spec, args.engines, args.decisions, args.seed, args.trajectories, args.step_every)
         print(
             f"{t.policy:<12} {t.engines:>7} {t.decisions:>9} {t.plans:>5} "
             f"{t.p50_ms:>6.2f} {t.p99_ms:>6.2f} {t.max_ms:>6.2f}"

@@ -60,6 +60,7 @@ from services.allocator.policies.common import (
     parse_options,
     role_demand,
 )
+from services.allocator.policies.step_memory import StepMemory, model_error
 from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
 
@@ -107,6 +108,15 @@ class ProrsaPolicy(AllocatorPolicy):
     _memo: dict[tuple[Split, TurnShape, float], TurnTime] = field(default_factory=dict, repr=False)
     _queued: float = field(default=0.0, repr=False)  # prompts waiting for prefill now (turn_time's start)
     _queued_tokens: float = field(default=0.0, repr=False)
+    # The last step of each task mix, replayed through the model when the next one starts (step_memory.py).
+    memory: StepMemory = field(default_factory=StepMemory, repr=False)
+    step_start: int = (
+        1  # 1: choose each step's split from the last step of its mix; 0: mid-step decisions only
+    )
+    _step_held: bool = field(default=False, repr=False)  # this step's split was chosen from a replay: hold it
+    _idle_planned: bool = field(
+        default=False, repr=False
+    )  # the split for the step after this idle spell is set
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -150,9 +160,33 @@ class ProrsaPolicy(AllocatorPolicy):
             self._turns_finished += (
                 view.decode_tokens_per_s * view.recent_window_s / view.recent_mean_osl_tokens
             )
-        shape = self._smooth(self.shape(view, current, snapshot), view)
+        window_shape = self.shape(view, current, snapshot)
+        shape = self._smooth(window_shape, view)
         self.last_shape = shape
         n_live = self.live_trajectories(view, snapshot, shape)
+        if self.step_start and snapshot is not None:
+            mix = self.memory.step_started(snapshot)
+            # The window's own shape, not the smoothed one: at a step's start the running estimate still holds
+            # the last step's tail; the record's segments average windows by their turns instead.
+            turns = float(view.recent_requests)
+            projected = (
+                turns * turn_time(current, window_shape, n_live, self.capacity, self.affinity_s).turn_s
+            )
+            self.memory.record(turns, window_shape, n_live, n_live * view.recent_window_s, projected, current)
+            if mix is not None:
+                plan, self._step_held = self._plan_step(view, current, mix)
+                if plan is not None:
+                    return plan
+            elif n_live <= 0 and not self._idle_planned:
+                # Between steps (nobody live): set up the next step's split while moving is free (step_memory).
+                self._idle_planned = True
+                coming = self.memory.expected_next()
+                if coming is not None:
+                    plan, _ = self._plan_step(view, current, coming, idle=True)
+                    if plan is not None:
+                        return plan
+            if n_live > 0:
+                self._idle_planned = False
         horizon = self.horizon_s(view, snapshot, n_live)
         scenarios = self.scenarios(view, forecast_of(view), n_live, shape, current)
         if not any(n > 0 for n in scenarios):
@@ -181,6 +215,8 @@ class ProrsaPolicy(AllocatorPolicy):
                 roles=moves_for_split(view, best), reason=reason + " (a role with demand had no engine)"
             )
         error = self._model_error(view, current, shape, n_live)
+        if self._step_held:
+            return None
         if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
             return None
         if self._turns_finished < n_live or self._turns_seen < 3 * n_live:
@@ -192,6 +228,64 @@ class ProrsaPolicy(AllocatorPolicy):
         if any(b > c for b, c in zip(per_scenario[best], per_scenario[current], strict=True)):
             return None
         return Plan(roles=moves_for_split(view, best), reason=reason)
+
+    def _plan_step(
+        self, view: ClusterView, current: Split, mix: tuple[str, ...], idle: bool = False
+    ) -> tuple[Plan | None, bool]:
+        """At a step's start: the split under which the last step of this task mix would have taken the fewest
+        turn-seconds (step_memory.py: the replay, each split's cost scaled by the model's bias measured on it), when
+        it beats the running split by more than `margin`; a split that has not run a step of this mix only while
+        the cluster idles between steps (`idle`) and when the model explained the last step within `margin`. No switch cost is charged: the step's trajectories are new, so no engine
+        holds a prefix worth keeping, and the first prompts a mover holds drain in a fraction of the step.
+
+        Also says whether to hold the split through the step: when the model explained the last step within
+        `margin`, a move inside the step would pay the drain and the cache rebuild the start avoided, on a phase
+        (the first prompts' burst, the tail) the replay already weighed. A mix seen for the first time, or one the
+        model missed (a congested split, say), is left to the decisions within the step."""
+        record = self.memory.last(mix)
+        if not record:
+            return None, False
+        measured = self.memory.measured(mix)
+
+        def bias(c: Split) -> float:
+            # its own where it ran a step of this mix, else the nearest measured split's (the running one first)
+            if not measured:
+                return 1.0
+            near = min(measured, key=lambda m: (_distance(m, c), m != current))  # type: ignore[arg-type]
+            return measured[near]
+
+        def cost(c: Split) -> float:
+            raw = sum(
+                seg.turns * turn_time(c, seg.shape, seg.live, self.capacity, self.affinity_s).turn_s
+                for seg in record
+            )
+            return raw * bias(c)
+
+        scored = _search(current, self.candidates(len(view.engines), True, True), cost)
+        current_j = scored.get(current)
+        if current_j is None:
+            current_j = cost(current)
+        best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
+        self.last_scores = {str(c): j for c, j in scored.items()}
+        error = model_error(record)
+        hold = error <= self.margin
+        # A split that never ran a step of this mix is priced by the model alone (and a neighbour's bias): it is
+        # tried only on a record the model explained within `margin`, and only while the cluster idles between
+        # steps, where a wrong guess costs one step and nothing more. Moved while a step's first prompts arrive,
+        # the movers' switch sends those prompts to the engines that serve meanwhile, and a trajectory's later
+        # turns follow its cache there (measured: profile:general · mimo-v2.5-pro at staleness 2, a move back to
+        # colocation at a step's start left that step 17 % slower than the same step colocated throughout).
+        if best not in measured and not (hold and idle):
+            return None, hold
+        if best == current or not (scored[best] < current_j * (1.0 - self.margin)):
+            return None, hold
+        gain = 1.0 - scored[best] / current_j
+        reason = (
+            f"{self.name}: {'before the next step' if idle else 'step start'} ({'+'.join(mix)}): {current} -> "
+            f"{best}, last step replayed {gain:.1%} faster "
+            f"({'measured' if best in measured else 'unmeasured'} split; model error {error:.1%})"
+        )
+        return Plan(roles=moves_for_split(view, best), reason=reason), hold
 
     def score(
         self,
@@ -483,6 +577,7 @@ _OPTIONS: dict[str, float | int | str] = {
     "affinity_s": 2.0,
     "initial": "mixed",
     "prefill_fraction": 0.25,
+    "step_start": 1,
 }
 
 

@@ -1,0 +1,200 @@
+"""What the last RL step of a task mix looked like, replayed through the turn model when the next one starts.
+
+Pure. An RL rollout repeats itself: every step submits a fresh batch of trajectories of the same task mix, and
+the batch goes through the same phases — a burst of first prompts, a loop whose contexts grow turn by turn, a tail
+where the last trajectories finish. A split chosen in the middle of a step pays for the move (drained work, prefix
+caches the new prefill engines must rebuild: tens of thousands of tokens per trajectory late in a step), so the
+mid-step decision rightly holds back from moves whose gain is near the model's error. At a step's start those costs
+are gone: the trajectories are new, so no engine holds a prefix worth keeping (and a synchronous step follows a
+weights update, which clears every cache). That is when the split for the whole step should be chosen, and the
+best guide to the coming step is the last one of the same task mix.
+
+So `StepMemory` records, decision by decision while a step runs, the loop as the policy measured it: turns
+submitted, the mean turn (`TurnShape`) and the live population N. When the next step of the same mix starts, the
+policy replays that record through the turn model for every candidate split — the turn-seconds the step would
+take, Σ turns_i × R(split, shape_i, N_i) — and starts the step on the split with the least, when it promises more
+than a margin (prorsa.py `_plan_step`). The record keeps the population N of the run it saw; a faster split would
+drain that population sooner, which the replay ignores: it prices the same turns at the same concurrency, the
+order in which splits compare.
+
+The model is not equally right about every split: on profile:general · mimo-v2.5-pro at staleness 2 it projects
+colocation within 4 % and a 2:6 split 24 % too fast, and where a split with few prefill engines tips into the
+congested branch (turn_model) its uncongested projection is far too fast. So each step also leaves, for the split
+that ran most of it, the ratio of the turn-seconds really lived — N integrated over time, exact by Little's law
+however noisy each window was — to those the model projected (`ratio`; `model_error` is the same over the whole
+step, whatever ran). The replay scales each candidate's cost by its own ratio where that split has run a step of
+this mix, else by the ratio of the nearest split that has (the model's bias moves with the split: neighbours share
+most of it) — and a split never measured is tried only on a record the model explained within the margin. A
+wrong first move thus costs one step: that step measures the split, and the next replay compares measured costs.
+
+Between synchronous steps the cluster idles while the trainer trains: nobody is live, the next step's mix is
+(most likely) the one that followed this mix last time (`expected_next`), and a move costs nothing at all, not even
+the seconds its movers spend switching while the first prompts arrive (which also lets those prompts spread over
+every engine instead of landing on the few that serve at once). So the policy replays then, and again when the
+step starts if its mix turns out to be another.
+
+A step start is seen in the tracker's snapshot: at least `FRESH_SHARE` of the live trajectories are new, not of
+the population the record follows (trajectories that join later, a step's stragglers in arrival, join that
+population). So a step triggers once, in both RL modes (a synchronous step follows an empty cluster; an
+asynchronous one is submitted the moment the last batch ends), however its arrivals are spread.
+The task mix is the set of tasks holding at least `TASK_SHARE` of the live trajectories: an alternating mix
+(math steps, then general ones) keeps one record per task, a mix within steps one record for both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from proto import LifecycleSnapshot
+from services.allocator.policies.turn_model import TurnShape
+
+FRESH_SHARE = 0.5  # a step has started when at least this share of the live trajectories is new
+TASK_SHARE = 0.1  # a task belongs to the mix when it holds at least this share of the live trajectories
+SEGMENTS = 16  # a record is kept as this many segments of equal turns (the replay's cost is per segment)
+LIVE_STATES = ("queued", "prefill", "decode", "tool_call")
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A stretch of a step: `turns` turns of mean shape `shape` while `live` trajectories were live; `lived_s`
+    trajectory-seconds passed in it (N × its length: by Little's law the turn-seconds it really took) and the model
+    projected `projected_s` turn-seconds for them under the split that ran."""
+
+    turns: float
+    shape: TurnShape
+    live: float
+    lived_s: float = 0.0
+    projected_s: float = 0.0
+
+
+@dataclass
+class StepMemory:
+    """Records each step's loop and hands back the last record of the same task mix (module doc)."""
+
+    records: dict[tuple[str, ...], list[Segment]] = field(default_factory=dict)
+    _population: set[str] = field(default_factory=set)  # trajectories of the step being recorded
+    _mix: tuple[str, ...] | None = None  # the mix of the step being recorded (None: no step running)
+    _last_mix: tuple[str, ...] | None = None  # the mix of the last step that started
+    _follows: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # mix → the mix after it
+    _ticks: list[Segment] = field(default_factory=list)
+    # (mix, split) → lived / projected over the last step of the mix that the split ran (`ratio`)
+    calibration: dict[tuple[tuple[str, ...], Hashable], float] = field(default_factory=dict)
+    _split_sums: dict[Hashable, list[float]] = field(
+        default_factory=dict
+    )  # split → [turns, lived, projected]
+
+    def step_started(self, snapshot: LifecycleSnapshot) -> tuple[str, ...] | None:
+        """The task mix of a step that starts now (once per step), else None. Closes the record of the last one.
+        A snapshot with nobody live ends the running step (a synchronous step, before the trainer's turn)."""
+        live = [t for t in snapshot.trajectories if t.state in LIVE_STATES]
+        if not live:
+            self._close()
+            return None
+        new = [t.traj_id for t in live if t.traj_id not in self._population]
+        if len(new) < FRESH_SHARE * len(live):
+            self._population.update(new)  # latecomers of the running step
+            return None
+        self._close()
+        self._population = {t.traj_id for t in live}
+        counts: dict[str, int] = {}
+        for t in live:
+            counts[t.task] = counts.get(t.task, 0) + 1
+        mix = tuple(sorted(task for task, c in counts.items() if c >= TASK_SHARE * len(live)))
+        if self._last_mix is not None:
+            self._follows[self._last_mix] = mix
+        self._mix = self._last_mix = mix
+        return mix
+
+    def expected_next(self) -> tuple[str, ...] | None:
+        """The mix the next step will most likely have: the one that followed the last step's mix last time
+        (an alternating mix), else the last step's own; None before any step."""
+        if self._last_mix is None:
+            return None
+        return self._follows.get(self._last_mix, self._last_mix)
+
+    def record(
+        self, turns: float, shape: TurnShape, live: float, lived_s: float, projected_s: float, split: Hashable
+    ) -> None:
+        """One decision's measurement of the running step: turns submitted since the last, the mean turn, N, the
+        trajectory-seconds lived since the last and the turn-seconds the model projected for those turns under
+        `split`, the split that ran."""
+        if self._mix is not None and turns > 0 and live > 0:
+            self._ticks.append(Segment(turns, shape, live, lived_s, projected_s))
+            sums = self._split_sums.setdefault(split, [0.0, 0.0, 0.0])
+            sums[0] += turns
+            sums[1] += lived_s
+            sums[2] += projected_s
+
+    def ratio(self, mix: tuple[str, ...], split: Hashable) -> float | None:
+        """Turn-seconds lived / projected over the last step of `mix` that `split` ran (most of): the model's bias
+        on that split, or None if it never ran one."""
+        return self.calibration.get((mix, split))
+
+    def measured(self, mix: tuple[str, ...]) -> dict[Hashable, float]:
+        """Every split that ran a step of `mix`, with its ratio (`ratio`)."""
+        return {split: r for (m, split), r in self.calibration.items() if m == mix}
+
+    def last(self, mix: tuple[str, ...]) -> list[Segment] | None:
+        """The record of the last finished step of `mix`, or None."""
+        return self.records.get(mix)
+
+    def _close(self) -> None:
+        if self._mix is not None and self._ticks:
+            self.records[self._mix] = compress(self._ticks, SEGMENTS)
+            total = sum(t.turns for t in self._ticks)
+            for split, (turns, lived, projected) in self._split_sums.items():
+                # Only the split that ran most of the step: a few windows around a move (a step's first
+                # prompts, say) say nothing about its bias over a step.
+                if 2.0 * turns >= total and lived > 0 and 0 < projected < math.inf:
+                    self.calibration[(self._mix, split)] = lived / projected
+        self._ticks = []
+        self._split_sums = {}
+        self._mix = None
+        self._population = set()
+
+
+def compress(ticks: list[Segment], segments: int) -> list[Segment]:
+    """`ticks` merged, in order, into at most `segments` stretches of about equal turns (turn-weighted means)."""
+    total = sum(t.turns for t in ticks)
+    if total <= 0:
+        return []
+    per = total / segments
+    out: list[Segment] = []
+    acc: list[Segment] = []
+    for t in ticks:
+        acc.append(t)
+        if sum(a.turns for a in acc) >= per * (1.0 - 1e-9):
+            out.append(_merge(acc))
+            acc = []
+    if acc:
+        out.append(_merge(acc))
+    return out
+
+
+def _merge(ticks: list[Segment]) -> Segment:
+    w = sum(t.turns for t in ticks)
+
+    def mean(get: Callable[[Segment], float]) -> float:
+        return sum(t.turns * get(t) for t in ticks) / w
+
+    shape = TurnShape(
+        mean(lambda t: t.shape.new_tokens),
+        mean(lambda t: t.shape.output_tokens),
+        mean(lambda t: t.shape.context_tokens),
+        mean(lambda t: t.shape.tool_s),
+    )
+    return Segment(
+        w, shape, mean(lambda t: t.live), sum(t.lived_s for t in ticks), sum(t.projected_s for t in ticks)
+    )
+
+
+def model_error(record: list[Segment]) -> float:
+    """The model's error over a whole recorded step, |log(turn-seconds lived / projected)| under the splits that
+    ran (0 when nothing was projected): Little's law makes the lived side exact however noisy each window was."""
+    lived = sum(s.lived_s for s in record)
+    projected = sum(s.projected_s for s in record)
+    if lived <= 0 or projected <= 0 or not math.isfinite(projected):
+        return 0.0
+    return abs(math.log(lived / projected))

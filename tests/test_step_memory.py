@@ -1,0 +1,301 @@
+"""Each RL step's split chosen from a replay of the last step of its task mix (services/allocator/policies/step_memory.py
+and its use in the prorsa policy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proto import LifecycleSnapshot, TrajectoryFeatures
+from services.allocator.policies.common import Split, make_capacity
+from services.allocator.policies.step_memory import Segment, StepMemory, compress, model_error
+from services.allocator.policies.turn_model import TurnShape, turn_time
+from services.allocator.policy import ClusterView, EngineView
+from services.allocator.registry import make_policy
+
+PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
+DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000, tool_s=1.0)
+
+
+def population(
+    step: int, n: int, task: str = "general", turn: int = 0, ts: float = 0.0, in_tool: int = 0
+) -> LifecycleSnapshot:
+    trajs = [
+        TrajectoryFeatures(
+            traj_id=f"s{step}-t{i}",
+            task=task,
+            state="tool_call" if i < in_tool else "decode",
+            time_in_state_s=1.0,
+            turn=turn,
+            context_tokens=4_000,
+            generated_this_turn=0,
+        )
+        for i in range(n)
+    ]
+    return LifecycleSnapshot(
+        ts_s=ts,
+        seq=int(ts),
+        counts={"decode": n - in_tool, "tool_call": in_tool},
+        counts_by_task={task: {"decode": n - in_tool, "tool_call": in_tool}},
+        context_tokens_by_state={},
+        trajectories=trajs,
+    )
+
+
+def merged(*snaps: LifecycleSnapshot) -> LifecycleSnapshot:
+    trajs = [t for s in snaps for t in s.trajectories]
+    return LifecycleSnapshot(
+        ts_s=snaps[0].ts_s,
+        seq=snaps[0].seq,
+        counts={"decode": len(trajs)},
+        counts_by_task={},
+        context_tokens_by_state={},
+        trajectories=trajs,
+    )
+
+
+def test_a_step_starts_once_when_most_live_trajectories_are_new_and_latecomers_join_it() -> None:
+    memory = StepMemory()
+    assert memory.step_started(population(0, 10)) == ("general",)
+    assert memory.step_started(population(0, 10)) is None  # the same population
+    # four latecomers of the same step arrive beside the ten: a minority, so they join the running step
+    assert memory.step_started(merged(population(0, 10), population(9, 4))) is None
+    assert memory.step_started(merged(population(0, 2), population(9, 4))) is None
+    # the next step's batch: all new
+    assert memory.step_started(population(1, 10)) == ("general",)
+
+
+def test_records_are_kept_per_task_mix_and_close_when_the_next_step_starts() -> None:
+    memory = StepMemory()
+    memory.record(
+        5.0, PREFILL_HEAVY, 10.0, 50.0, 50.0, Split(2, 6)
+    )  # before any step: nothing to attach it to
+    assert memory.step_started(population(0, 10, task="general")) == ("general",)
+    for _ in range(4):
+        memory.record(5.0, PREFILL_HEAVY, 10.0, 55.0, 50.0, Split(2, 6))
+    assert memory.last(("general",)) is None  # still running
+    assert memory.step_started(population(1, 10, task="math")) == ("math",)
+    memory.record(3.0, DECODE_HEAVY, 10.0, 50.0, 50.0, Split(0, 0, 8))
+    general = memory.last(("general",))
+    assert general is not None and sum(s.turns for s in general) == pytest.approx(20.0)
+    assert model_error(general) == pytest.approx(math.log(220.0 / 200.0))  # lived 220 s, projected 200 s
+    assert memory.step_started(population(2, 10, task="general")) == ("general",)
+    math_record = memory.last(("math",))
+    assert math_record is not None and math_record[0].shape == DECODE_HEAVY
+    # a step mixing both tasks is a mix of its own
+    both = merged(population(3, 6, task="general"), population(3, 6, task="math"))
+    assert StepMemory().step_started(both) == ("general", "math")
+
+
+def test_compress_keeps_the_turns_and_their_weighted_means() -> None:
+    ticks = [
+        Segment(1.0, TurnShape(100, 10, 1_000, 1.0), 8.0, 10.0, 9.0),
+        Segment(3.0, TurnShape(200, 30, 3_000, 3.0), 4.0, 20.0, 21.0),
+        Segment(2.0, TurnShape(300, 20, 2_000, 2.0), 2.0, 5.0, 5.0),
+    ]
+    one = compress(ticks, 1)
+    assert len(one) == 1 and one[0].turns == pytest.approx(6.0)
+    assert one[0].shape.new_tokens == pytest.approx((100 + 600 + 600) / 6)
+    assert one[0].live == pytest.approx((8 + 12 + 4) / 6)
+    assert (one[0].lived_s, one[0].projected_s) == (35.0, 35.0) and model_error(one) == 0.0
+    many = compress(ticks * 20, 16)
+    assert len(many) <= 17 and sum(s.turns for s in many) == pytest.approx(120.0)
+    assert compress([], 4) == []
+
+
+def engines(roles: list[str]) -> tuple[EngineView, ...]:
+    return tuple(
+        EngineView(
+            engine_id=f"e{i}",
+            role=r,
+            running=0,
+            waiting=0,
+            queued_prefill_tokens=0,
+            decode_batch=8 if r != "prefill" else 0,
+            kv_used_tokens=0,
+            kv_capacity_tokens=3_000_000,
+            in_flight_tokens=0,
+            switching=False,
+        )
+        for i, r in enumerate(roles)
+    )
+
+
+def step_view(
+    roles: list[str],
+    now: float,
+    step: int,
+    turn: int,
+    shape: TurnShape,
+    n: int = 64,
+    split_slowdown: float = 1.0,
+) -> ClusterView:
+    """Step `step`'s n trajectories running `shape` as the model says they would (Little: turns per second =
+    N / turn time, and as many in a tool call as the tool time implies) — or, under a split, `split_slowdown`
+    times slower than it says."""
+    split = Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed"))
+    slowdown = 1.0 if split.mixed else split_slowdown
+    rate = n / (slowdown * turn_time(split, shape, n, make_capacity("deepseek-v3.2")).turn_s)
+    snap = population(step, n, turn=turn, ts=now, in_tool=round(rate * shape.tool_s))
+    return ClusterView(
+        now=now,
+        engines=engines(roles),
+        prefill_queue_tokens=0,
+        decode_queue_len=0,
+        prefill_tokens_per_s=rate * shape.new_tokens,
+        decode_tokens_per_s=rate * shape.output_tokens,
+        snapshot=snap,
+        # whole turns in the window: the window is as long as they take (the policy reads rates from it)
+        recent_window_s=max(1, round(rate * 5)) / rate,
+        recent_requests=max(1, round(rate * 5)),
+        recent_mean_isl_tokens=shape.new_tokens + shape.output_tokens,
+        recent_mean_cached_tokens=shape.context_tokens - shape.new_tokens - shape.output_tokens,
+        recent_mean_osl_tokens=shape.output_tokens,
+        recent_mean_new_tokens=shape.new_tokens,
+    )
+
+
+def run_step(
+    policy, roles: list[str], step: int, t0: float, shape: TurnShape, ticks: int = 12, slowdown: float = 1.0
+):  # type: ignore[no-untyped-def]
+    plans = []
+    for k in range(ticks):
+        view = step_view(roles, t0 + 5.0 * k, step, 0 if k == 0 else 3, shape, split_slowdown=slowdown)
+        plan = policy.decide(view)
+        if plan is not None:
+            plans.append((k, plan))
+            for eid, role in plan.roles.items():
+                roles[int(eid[1:])] = role
+    return plans
+
+
+def sync_step(policy, roles: list[str], step: int, t0: float, shape: TurnShape, slowdown: float = 1.0):  # type: ignore[no-untyped-def]
+    """A synchronous step, then the trainer's turn (one decision with nobody live, tick "idle")."""
+    plans = run_step(policy, roles, step, t0, shape, slowdown=slowdown)
+    plan = policy.decide(idle_view(roles, t0 + 60.0))
+    if plan is not None:
+        plans.append(("idle", plan))
+        for eid, role in plan.roles.items():
+            roles[int(eid[1:])] = role
+    return plans
+
+
+def test_the_next_step_of_a_prefill_heavy_mix_starts_on_the_replayed_split() -> None:
+    # The model's prior error blocks every mid-step move, so the first step stays colocated and only the replay
+    # can move: while the cluster idles after it, to a split (DP attention, long observations).
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    plans = sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY)
+    assert [k for k, _ in plans] == ["idle"] and "mixed" not in roles
+    assert "before the next step (general)" in plans[0][1].reason and "unmeasured split" in plans[0][1].reason
+    assert run_step(policy, roles, 1, 100.0, PREFILL_HEAVY) == []  # the step finds its split set
+
+
+def test_a_split_never_measured_is_not_tried_while_a_step_is_arriving() -> None:
+    # Asynchronous steps follow each other with no idle spell: a guess moved while the first prompts arrive
+    # would send them to the few engines that serve during the switch.
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    for step in range(3):
+        assert run_step(policy, roles, step, 100.0 * step, PREFILL_HEAVY) == []
+    assert roles == ["mixed"] * 8
+
+
+def test_a_replayed_step_holds_its_split_and_the_next_replay_follows_the_work() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    control = make_policy("prorsa:step_start=0", 8, profile="deepseek-v3.2")
+    roles, control_roles = ["mixed"] * 8, ["mixed"] * 8
+    assert sync_step(policy, roles, 0, 0.0, DECODE_HEAVY) == []
+    assert sync_step(control, control_roles, 0, 0.0, DECODE_HEAVY) == []
+    # The next step turns prefill-heavy: the policy without a memory leaves colocation within the step ...
+    assert run_step(control, control_roles, 1, 200.0, PREFILL_HEAVY, ticks=24)
+    # ... while a step whose mix was replayed holds the split the replay chose (colocation) through the step
+    assert run_step(policy, roles, 1, 200.0, PREFILL_HEAVY, ticks=24) == []
+    assert roles == ["mixed"] * 8
+    # and the trainer's turn after it replays that prefill-heavy step: a split
+    plan = policy.decide(idle_view(roles, 400.0))
+    assert plan is not None and set(plan.roles.values()) == {"prefill", "decode"}
+
+
+def test_a_move_to_a_split_the_model_is_wrong_about_is_measured_and_undone_at_the_next_step() -> None:
+    # Splits really run 3x slower than the model says; colocation runs as it says. The model's first step says
+    # nothing about splits, so the next step tries one; that step measures it, and the replay before the step
+    # after, with the measured bias, goes back.
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    first = sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY, slowdown=3.0)
+    assert [k for k, _ in first] == ["idle"] and "unmeasured split" in first[0][1].reason
+    tried = Split(roles.count("prefill"), roles.count("decode"))
+    back = sync_step(policy, roles, 1, 100.0, PREFILL_HEAVY, slowdown=3.0)
+    assert (
+        [k for k, _ in back] == ["idle"] and "(measured split" in back[0][1].reason and roles == ["mixed"] * 8
+    )
+    assert policy.memory.ratio(("general",), tried) == pytest.approx(3.0, rel=0.05)
+    # ... and stays there: the tried split's bias now prices its neighbours too, so none is tried next
+    for step in (2, 3):
+        assert sync_step(policy, roles, step, 100.0 * step, PREFILL_HEAVY, slowdown=3.0) == []
+
+
+def test_a_decode_heavy_mix_keeps_colocation_at_the_step_start() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    roles = ["mixed"] * 8
+    for step in range(3):
+        assert run_step(policy, roles, step, 100.0 * step, DECODE_HEAVY) == []
+    assert roles == ["mixed"] * 8
+
+
+def test_the_step_start_can_be_switched_off() -> None:
+    policy = make_policy("prorsa:step_start=0", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    for step in range(3):
+        assert run_step(policy, roles, step, 100.0 * step, PREFILL_HEAVY) == []
+
+
+def idle_view(roles: list[str], now: float) -> ClusterView:
+    """Between synchronous steps: nobody live, nothing running (the trainer's turn)."""
+    return ClusterView(
+        now=now,
+        engines=engines(roles),
+        prefill_queue_tokens=0,
+        decode_queue_len=0,
+        prefill_tokens_per_s=0.0,
+        decode_tokens_per_s=0.0,
+        snapshot=population(99, 0, ts=now),
+        recent_window_s=5.0,
+    )
+
+
+def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster_idles() -> None:
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    assert run_step(policy, roles, 0, 0.0, PREFILL_HEAVY) == []
+    plan = policy.decide(idle_view(roles, 70.0))
+    assert plan is not None and "before the next step (general)" in plan.reason
+    for eid, role in plan.roles.items():
+        roles[int(eid[1:])] = role
+    assert "mixed" not in roles
+    # once per idle spell, and the step that then starts (the same mix) finds its split set
+    assert policy.decide(idle_view(roles, 75.0)) is None
+    assert run_step(policy, roles, 1, 100.0, PREFILL_HEAVY) == []
+
+
+def test_the_expected_next_mix_is_the_one_that_followed_last_time() -> None:
+    memory = StepMemory()
+    assert memory.expected_next() is None
+    memory.step_started(population(0, 4, task="general"))
+    assert memory.expected_next() == ("general",)  # nothing followed it yet: the same again
+    memory.step_started(population(0, 0))  # the step ends
+    memory.step_started(population(1, 4, task="math"))
+    memory.step_started(population(2, 4, task="general"))
+    assert memory.expected_next() == ("math",)  # general was followed by math last time
