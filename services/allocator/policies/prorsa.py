@@ -31,6 +31,13 @@ measured error on the split that runs (|log observed / projected turn time|, obs
 cost is already in the score), when it wins in every forecast scenario, and only once the turn sample stands for
 the loop (about one finished turn per live trajectory, the first prompts at most a third of the turns seen). A
 role with demand and no engine is repaired at once. Start-up is colocated (`initial_plan`).
+
+Between RL steps (`step_memory.py`): while the cluster idles before a synchronous step, the split for the next step
+comes from a replay of the last step of its task mix through the model, each split priced with the model's bias
+measured on it; a split never measured is tried only then, and only on a record the model explained within
+`margin`. At a step's live start (an asynchronous step, or a mix other than the one expected) only measured splits
+are moved to. A step whose record the model explained holds its split: the decisions above wait for the next step.
+
 Bad input (NaN or negative figures, an empty view) is refused with a PolicyError that the caller logs and counts.
 """
 
@@ -606,7 +613,7 @@ def make_oracle(args: Sequence[str], n_engines: int, profile: object | None = No
 
 def make_prorsa(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
     """`prorsa[:key=value...]`, keys: interval_s, margin, drain_timeout_s, max_horizon_s, affinity_s, initial
-    (model|mixed|split), prefill_fraction. Raises PolicyError on bad arguments or profile."""
+    (model|mixed|split), prefill_fraction, step_start (1|0). Raises PolicyError on bad arguments or profile."""
     opts = parse_options("prorsa", args, _OPTIONS)
     if opts["initial"] not in ("model", "mixed", "split"):
         raise PolicyError(f"prorsa: initial must be model, mixed or split, got {opts['initial']!r}")
