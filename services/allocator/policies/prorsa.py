@@ -241,10 +241,10 @@ class ProrsaPolicy(AllocatorPolicy):
     ) -> tuple[Plan | None, bool]:
         """At a step's start: the split under which the last step of this task mix would have taken the fewest
         turn-seconds (step_memory.py: the replay, each split's cost scaled by the model's bias measured on it), when
-        it beats the running split by more than `margin`; a split that has not run a step of this mix only while
-        the cluster idles between steps (`idle`) and when the model explained the last step within `margin`. No
-        switch cost is charged: the step's trajectories are new, so no engine holds a prefix worth keeping, and
-        the first prompts a mover holds drain in a fraction of the step.
+        it beats the running split by more than `margin`. A move at a live step start, or to a split that has not
+        run a step of this mix, needs a record the model explained within `margin`; the latter is tried only
+        while the cluster idles between steps. No switch cost is charged: the step's trajectories are new, so no
+        engine holds a prefix worth keeping, and the first prompts a mover holds drain in a fraction of the step.
 
         Also says whether to hold the split through the step: when the model explained the last step within
         `margin`, a move inside the step would pay the drain and the cache rebuild the start avoided, on a phase
@@ -277,16 +277,21 @@ class ProrsaPolicy(AllocatorPolicy):
         # the movers' switch sends those prompts to the engines that serve meanwhile, and a trajectory's later
         # turns follow its cache there (measured: profile:general · mimo-v2.5-pro at staleness 2, a move back to
         # colocation at a step's start left that step 17 % slower than the same step colocated throughout).
-        # Otherwise the candidates are the splits measured on this mix: a handful, so a live step start costs a
-        # few solves of the model, not the full search's.
-        if hold and idle:
+        # At a live step start the candidates are the splits measured on this mix, and only on a record the model
+        # explained (a congested step's record, on general · deepseek-v3.2 at staleness 2, sent the split from one
+        # measured split to another and cost 2.5 %): a few solves of the model, not the full search's.
+        if idle:
             scored = _search(current, self.candidates(len(view.engines), True, True), cost)
-        else:
+        elif hold:
             n = len(view.engines)
             scored = {c: cost(c) for c in {current, *measured} if isinstance(c, Split) and c.total == n}
+        else:
+            return None, hold
         current_j = scored[current]
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
+        if best not in measured and not hold:
+            return None, hold
         if best == current or not (scored[best] < current_j * (1.0 - self.margin)):
             return None, hold
         gain = 1.0 - scored[best] / current_j
