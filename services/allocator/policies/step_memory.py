@@ -88,19 +88,21 @@ class StepMemory:
     def step_started(self, snapshot: LifecycleSnapshot) -> tuple[str, ...] | None:
         """The task mix of a step that starts now (once per step), else None. Closes the record of the last one.
         A snapshot with nobody live ends the running step (a synchronous step, before the trainer's turn)."""
-        live = [t for t in snapshot.trajectories if t.state in LIVE_STATES]
+        # One pass over the snapshot and set arithmetic: this runs at every decision, over up to 10k trajectories.
+        live = {t.traj_id for t in snapshot.trajectories if t.state in LIVE_STATES}
         if not live:
             self._close()
             return None
-        new = [t.traj_id for t in live if t.traj_id not in self._population]
+        new = live - self._population
         if len(new) < FRESH_SHARE * len(live):
-            self._population.update(new)  # latecomers of the running step
+            self._population |= new  # latecomers of the running step
             return None
         self._close()
-        self._population = {t.traj_id for t in live}
+        self._population = live
         counts: dict[str, int] = {}
-        for t in live:
-            counts[t.task] = counts.get(t.task, 0) + 1
+        for t in snapshot.trajectories:
+            if t.state in LIVE_STATES:
+                counts[t.task] = counts.get(t.task, 0) + 1
         mix = tuple(sorted(task for task, c in counts.items() if c >= TASK_SHARE * len(live)))
         if self._last_mix is not None:
             self._follows[self._last_mix] = mix
