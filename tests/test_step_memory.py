@@ -11,7 +11,7 @@ from proto import LifecycleSnapshot, TrajectoryFeatures
 from services.allocator.policies.common import Split, make_capacity
 from services.allocator.policies.step_memory import Segment, StepMemory, compress, model_error
 from services.allocator.policies.turn_model import TurnShape, turn_time
-from services.allocator.policy import ClusterView, EngineView
+from services.allocator.policy import ClusterView, EngineView, Plan
 from services.allocator.registry import make_policy
 
 PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
@@ -156,6 +156,12 @@ def step_view(
     )
 
 
+def apply(roles: list[str], plan: Plan) -> None:
+    """The engines take the roles `plan` gives them."""
+    for eid, role in plan.roles.items():
+        roles[int(eid[1:])] = role
+
+
 def run_step(
     policy, roles: list[str], step: int, t0: float, shape: TurnShape, ticks: int = 12, slowdown: float = 1.0
 ):  # type: ignore[no-untyped-def]
@@ -165,8 +171,7 @@ def run_step(
         plan = policy.decide(view)
         if plan is not None:
             plans.append((k, plan))
-            for eid, role in plan.roles.items():
-                roles[int(eid[1:])] = role
+            apply(roles, plan)
     return plans
 
 
@@ -176,8 +181,7 @@ def sync_step(policy, roles: list[str], step: int, t0: float, shape: TurnShape, 
     plan = policy.decide(idle_view(roles, t0 + 60.0))
     if plan is not None:
         plans.append(("idle", plan))
-        for eid, role in plan.roles.items():
-            roles[int(eid[1:])] = role
+        apply(roles, plan)
     return plans
 
 
@@ -282,8 +286,7 @@ def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster
     assert run_step(policy, roles, 0, 0.0, PREFILL_HEAVY) == []
     plan = policy.decide(idle_view(roles, 70.0))
     assert plan is not None and "before the next step (general)" in plan.reason
-    for eid, role in plan.roles.items():
-        roles[int(eid[1:])] = role
+    apply(roles, plan)
     assert "mixed" not in roles
     # once per idle spell, and the step that then starts (the same mix) finds its split set
     assert policy.decide(idle_view(roles, 75.0)) is None

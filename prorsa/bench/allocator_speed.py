@@ -150,15 +150,15 @@ def bench(
     building 10k features per view is the tracker's cost, not the decision's); a new step every `step_every`."""
     rng = np.random.default_rng(seed)
     policy = make_policy(spec, engines)
-    steps = -(-decisions // max(step_every, 1))
+    per_step = max(step_every, 1)
     snaps = [
         [random_snapshot(rng, trajectories, 5.0 * (k + 1), step) for k in range(4)]
         if trajectories
         else [None]
-        for step in range(steps)
+        for step in range(-(-decisions // per_step))
     ]
     views = [
-        random_view(rng, engines, 5.0 * (k + 1), snaps[k // max(step_every, 1)][k % len(snaps[0])])
+        random_view(rng, engines, 5.0 * (k + 1), snaps[k // per_step][k % len(snaps[0])])
         for k in range(decisions)
     ]
     times: list[float] = []

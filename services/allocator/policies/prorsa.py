@@ -117,13 +117,11 @@ class ProrsaPolicy(AllocatorPolicy):
     _queued_tokens: float = field(default=0.0, repr=False)
     # The last step of each task mix, replayed through the model when the next one starts (step_memory.py).
     memory: StepMemory = field(default_factory=StepMemory, repr=False)
-    step_start: int = (
-        1  # 1: choose each step's split from the last step of its mix; 0: mid-step decisions only
-    )
+    # 1: choose each step's split from the last step of its mix; 0: mid-step decisions only
+    step_start: int = 1
     _step_held: bool = field(default=False, repr=False)  # this step's split was chosen from a replay: hold it
-    _idle_planned: bool = field(
-        default=False, repr=False
-    )  # the split for the step after this idle spell is set
+    # The split for the step after this idle spell is set.
+    _idle_planned: bool = field(default=False, repr=False)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -176,10 +174,13 @@ class ProrsaPolicy(AllocatorPolicy):
             # The window's own shape, not the smoothed one: at a step's start the running estimate still holds
             # the last step's tail; the record's segments average windows by their turns instead.
             turns = float(view.recent_requests)
-            projected = (
-                turns * turn_time(current, window_shape, n_live, self.capacity, self.affinity_s).turn_s
-            )
-            self.memory.record(turns, window_shape, n_live, n_live * view.recent_window_s, projected, current)
+            if self.memory.recording and turns > 0 and n_live > 0:  # else the memory keeps nothing: no solve
+                projected = (
+                    turns * turn_time(current, window_shape, n_live, self.capacity, self.affinity_s).turn_s
+                )
+                self.memory.record(
+                    turns, window_shape, n_live, n_live * view.recent_window_s, projected, current
+                )
             if mix is not None:
                 plan, self._step_held = self._plan_step(view, current, mix)
                 if plan is not None:

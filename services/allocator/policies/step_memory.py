@@ -109,6 +109,11 @@ class StepMemory:
         self._mix = self._last_mix = mix
         return mix
 
+    @property
+    def recording(self) -> bool:
+        """A step is running and `record` keeps what it is given."""
+        return self._mix is not None
+
     def expected_next(self) -> tuple[str, ...] | None:
         """The mix the next step will most likely have: the one that followed the last step's mix last time
         (an alternating mix), else the last step's own; None before any step."""
