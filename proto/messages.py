@@ -374,6 +374,9 @@ class LifecycleSnapshot(Message, frozen=True, kw_only=True):
     aborted_total: NonNegInt = 0
     lost_total: NonNegInt = 0
     silent_total: NonNegInt = 0
+    # trajectories the tracker has seen start since it began (restored from its checkpoint): how many are new
+    # since the last snapshot, without comparing ids (a step start, for the allocator's step memory)
+    started_total: NonNegInt = 0
 
 
 class Quantiles(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,8 +19,15 @@ DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000
 
 
 def population(
-    step: int, n: int, task: str = "general", turn: int = 0, ts: float = 0.0, in_tool: int = 0
+    step: int,
+    n: int,
+    task: str = "general",
+    turn: int = 0,
+    ts: float = 0.0,
+    in_tool: int = 0,
+    started: int | None = None,
 ) -> LifecycleSnapshot:
+    """Step `step`'s n live trajectories; the tracker has seen `started` start (default: n per step so far)."""
     trajs = [
         TrajectoryFeatures(
             traj_id=f"s{step}-t{i}",
@@ -40,18 +47,24 @@ def population(
         counts_by_task={task: {"decode": n - in_tool, "tool_call": in_tool}},
         context_tokens_by_state={},
         trajectories=trajs,
+        started_total=(step + 1) * n if started is None else started,
     )
 
 
-def merged(*snaps: LifecycleSnapshot) -> LifecycleSnapshot:
+def merged(*snaps: LifecycleSnapshot, started: int) -> LifecycleSnapshot:
     trajs = [t for s in snaps for t in s.trajectories]
+    by_task: dict[str, dict[str, int]] = {}
+    for t in trajs:
+        by_task.setdefault(t.task, {}).setdefault(t.state, 0)
+        by_task[t.task][t.state] += 1
     return LifecycleSnapshot(
         ts_s=snaps[0].ts_s,
         seq=snaps[0].seq,
         counts={"decode": len(trajs)},
-        counts_by_task={},
+        counts_by_task=by_task,
         context_tokens_by_state={},
         trajectories=trajs,
+        started_total=started,
     )
 
 
@@ -60,10 +73,14 @@ def test_a_step_starts_once_when_most_live_trajectories_are_new_and_latecomers_j
     assert memory.step_started(population(0, 10)) == ("general",)
     assert memory.step_started(population(0, 10)) is None  # the same population
     # four latecomers of the same step arrive beside the ten: a minority, so they join the running step
-    assert memory.step_started(merged(population(0, 10), population(9, 4))) is None
-    assert memory.step_started(merged(population(0, 2), population(9, 4))) is None
+    assert memory.step_started(merged(population(0, 10), population(9, 4), started=14)) is None
+    assert memory.step_started(merged(population(0, 2), population(9, 4), started=14)) is None
     # the next step's batch: all new
-    assert memory.step_started(population(1, 10)) == ("general",)
+    assert memory.step_started(population(1, 10, started=24)) == ("general",)
+    # a batch whose first half came at one snapshot and second half at the next is one step, as long as the
+    # second half is a minority of those live (half of 20 is not: it would open another)
+    assert memory.step_started(population(2, 12, started=36)) == ("general",)
+    assert memory.step_started(merged(population(2, 12), population(2, 4), started=40)) is None
 
 
 def test_records_are_kept_per_task_mix_and_close_when_the_next_step_starts() -> None:
@@ -84,7 +101,7 @@ def test_records_are_kept_per_task_mix_and_close_when_the_next_step_starts() -> 
     math_record = memory.last(("math",))
     assert math_record is not None and math_record[0].shape == DECODE_HEAVY
     # a step mixing both tasks is a mix of its own
-    both = merged(population(3, 6, task="general"), population(3, 6, task="math"))
+    both = merged(population(3, 6, task="general"), population(3, 6, task="math"), started=12)
     assert StepMemory().step_started(both) == ("general", "math")
 
 

@@ -49,6 +49,7 @@ def reference_snapshot(core: TrackerCore, now: float, seq: int) -> LifecycleSnap
         finished_total=core.totals["finished"],
         aborted_total=core.totals["aborted"],
         lost_total=core.totals["lost"],
+        started_total=core.totals["started"],
         silent_total=sum(f.silent for f in feats),
     )
 

@@ -91,6 +91,7 @@ def random_snapshot(
         context_tokens_by_state={},
         trajectories=trajs,
         finished_total=int(now),
+        started_total=(step + 1) * trajectories,  # each step is a fresh batch
     )
 
 

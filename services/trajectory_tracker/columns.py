@@ -85,6 +85,7 @@ class SnapshotColumns:
     aborted_total: int = 0
     lost_total: int = 0
     silent_total: int = 0
+    started_total: int = 0
 
     @property
     def n(self) -> int:
@@ -132,6 +133,7 @@ class SnapshotColumns:
             aborted_total=self.aborted_total,
             lost_total=self.lost_total,
             silent_total=self.silent_total,
+            started_total=self.started_total,
         )
 
 

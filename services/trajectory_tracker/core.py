@@ -152,7 +152,7 @@ class TrackerCore:
         self._counts: dict[str, int] = dict.fromkeys(tb.LIVE_STATES, 0)
         self._context: dict[str, int] = dict.fromkeys(tb.LIVE_STATES, 0)
         self._by_task: dict[str, dict[str, int]] = {}
-        self.totals: dict[str, int] = {"finished": 0, "aborted": 0, "lost": 0, "events": 0}
+        self.totals: dict[str, int] = {"started": 0, "finished": 0, "aborted": 0, "lost": 0, "events": 0}
         # Cumulative demand actually seen (tokens): new prompt tokens submitted, output tokens generated.
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
@@ -217,6 +217,7 @@ class TrackerCore:
             if kind != tb.STARTED:
                 return [Rejection("unknown_trajectory", traj_id, kind)]
             t = self._live[traj_id] = _Traj(traj_id, now)
+            self.totals["started"] += 1
             self._columns.allocate(t)
             self._track(t)
         if turn is not None and turn < t.turn:
@@ -381,6 +382,7 @@ class TrackerCore:
             finished_total=self.totals["finished"],
             aborted_total=self.totals["aborted"],
             lost_total=self.totals["lost"],
+            started_total=self.totals["started"],
         )
 
     def features(self, traj_id: str, now: float) -> TrajectoryFeatures | None:

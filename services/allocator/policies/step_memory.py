@@ -33,9 +33,9 @@ the seconds its movers spend switching while the first prompts arrive (which als
 every engine instead of landing on the few that serve at once). So the policy replays then, and again when the
 step starts if its mix turns out to be another.
 
-A step start is seen in the tracker's snapshot: at least `FRESH_SHARE` of the live trajectories are new, not of
-the population the record follows (trajectories that join later, a step's stragglers in arrival, join that
-population). So a step triggers once, in both RL modes (a synchronous step follows an empty cluster; an
+A step start is seen in the tracker's snapshot: at least `FRESH_SHARE` of the live trajectories are new, started
+since the last snapshot (the tracker counts starts: `started_total`; trajectories that join later, a step's
+stragglers in arrival, are a minority of the live ones and join the running step). So a step triggers once, in both RL modes (a synchronous step follows an empty cluster; an
 asynchronous one is submitted the moment the last batch ends), however its arrivals are spread.
 The task mix is the set of tasks holding at least `TASK_SHARE` of the live trajectories: an alternating mix
 (math steps, then general ones) keeps one record per task, a mix within steps one record for both.
@@ -74,7 +74,7 @@ class StepMemory:
     """Records each step's loop and hands back the last record of the same task mix (module doc)."""
 
     records: dict[tuple[str, ...], list[Segment]] = field(default_factory=dict)
-    _population: set[str] = field(default_factory=set)  # trajectories of the step being recorded
+    _started_seen: int = 0  # the tracker's started_total at the last snapshot
     _mix: tuple[str, ...] | None = None  # the mix of the step being recorded (None: no step running)
     _last_mix: tuple[str, ...] | None = None  # the mix of the last step that started
     _follows: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # mix → the mix after it
@@ -88,22 +88,27 @@ class StepMemory:
     def step_started(self, snapshot: LifecycleSnapshot) -> tuple[str, ...] | None:
         """The task mix of a step that starts now (once per step), else None. Closes the record of the last one.
         A snapshot with nobody live ends the running step (a synchronous step, before the trainer's turn)."""
-        # One pass over the snapshot and set arithmetic: this runs at every decision, over up to 10k trajectories.
-        live = {t.traj_id for t in snapshot.trajectories if t.state in LIVE_STATES}
+        # From the snapshot's counters alone (no pass over its trajectories: this runs at every decision, over up
+        # to 10k of them): the trajectories started since the last snapshot are the tracker's `started_total`
+        # minus the last one seen. Those that start and end between two decisions count as new too: a step whose
+        # trajectories live less than a decision interval is all new anyway.
+        new = snapshot.started_total - self._started_seen
+        # (A tracker restarted without its checkpoint counts from 0 again: a negative `new` is no step start.)
+        self._started_seen = snapshot.started_total
+        live = sum(snapshot.counts.get(state, 0) for state in LIVE_STATES)
         if not live:
             self._close()
             return None
-        new = live - self._population
-        if len(new) < FRESH_SHARE * len(live):
-            self._population |= new  # latecomers of the running step
-            return None
+        if new < FRESH_SHARE * live:
+            return None  # latecomers of the running step
         self._close()
-        self._population = live
-        counts: dict[str, int] = {}
-        for t in snapshot.trajectories:
-            if t.state in LIVE_STATES:
-                counts[t.task] = counts.get(t.task, 0) + 1
-        mix = tuple(sorted(task for task, c in counts.items() if c >= TASK_SHARE * len(live)))
+        mix = tuple(
+            sorted(
+                task
+                for task, by_state in snapshot.counts_by_task.items()
+                if sum(by_state.get(state, 0) for state in LIVE_STATES) >= TASK_SHARE * live
+            )
+        )
         if self._last_mix is not None:
             self._follows[self._last_mix] = mix
         self._mix = self._last_mix = mix
@@ -159,7 +164,6 @@ class StepMemory:
         self._ticks = []
         self._split_sums = {}
         self._mix = None
-        self._population = set()
 
 
 def compress(ticks: list[Segment], segments: int) -> list[Segment]:
