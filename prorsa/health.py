@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from urllib.parse import urlparse
 
 import nats
@@ -13,6 +12,7 @@ from nats.errors import NoServersError
 import proto
 from proto import HealthReply, HealthRequest, ProtoError, Subjects
 from services.runtime.bus import connect
+from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 
 
@@ -53,9 +53,9 @@ async def gather_health(
                 pass  # a peer speaking another version: not counted as healthy
 
         sub = await nc.subscribe(inbox, cb=on_reply)
-        await nc.publish(
-            Subjects(namespace).health, proto.encode(HealthRequest(ts_s=time.time())), reply=inbox
-        )
+        # Stamped on the shared scaled clock, like every message on the bus.
+        ask = HealthRequest(ts_s=Clock.from_env().now_s())
+        await nc.publish(Subjects(namespace).health, proto.encode(ask), reply=inbox)
         await nc.flush()
         await asyncio.sleep(wait_s)
         await sub.unsubscribe()

@@ -181,7 +181,7 @@ class System:
         """Report new exits to the supervisor and restart the children that are due; returns what happened."""
         if self._stopping:
             return []
-        now = time.monotonic() if now is None else now
+        now = time.monotonic() if now is None else now  # wall: processes crash and restart in real seconds
         events: list[Exit | Restarted] = []
         dead = dict(self.dead_children())
         if self.embedded is not None and not self.embedded.running:

@@ -15,7 +15,7 @@ from services.engine_agent.agent import AgentConfig, EngineAgent
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, context_tokens, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.runtime import clock
+from services.runtime.clock import Clock
 from services.runtime.model_profiles import load_profile
 from services.runtime.perf_model import ModelProfile
 
@@ -51,7 +51,7 @@ def request(
         prompt_len=prompt_len,
         sampling=SamplingParams(max_tokens=max_tokens),
         reply_to=reply_to or f"prorsa.reply.test.{rid}",
-        submitted_s=clock.now_s(),
+        submitted_s=Clock.from_env().now_s(),  # as a client built now would stamp it
         **fields,
     )
 

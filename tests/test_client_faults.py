@@ -143,7 +143,7 @@ async def test_tracker_timeouts_are_wall_seconds(nats_server: EmbeddedNatsServer
         )
         await svc.start()
         try:
-            ev = TrajectoryStarted(traj_id="quiet", ts_s=clock.now_s(), source="c", seq=1)
+            ev = TrajectoryStarted(traj_id="quiet", ts_s=svc.clock.now_s(), source="c", seq=1)
             from proto import encode
 
             await nc.jetstream().publish(S.lifecycle, encode(ev))

@@ -53,13 +53,13 @@ def test_demo_compares_both_policies_live_and_simulated(tmp_path, capsys, chromi
 def test_a_live_run_leaves_the_process_time_scale_as_it_found_it(monkeypatch) -> None:
     """`run_live` sets PRORSA_TIME_SCALE for its child processes; a test session running it in process must not
     inherit the speed-up (it once left later tests' drain timeouts and stream clocks 50× short)."""
-    from services.runtime import clock
+    from services.runtime.clock import Clock, time_scale_set
 
     monkeypatch.delenv("PRORSA_TIME_SCALE", raising=False)
-    with clock.time_scale_set(50.0):
-        assert clock.time_scale() == 50.0
+    with time_scale_set(50.0):
+        assert Clock.from_env().time_scale == 50.0
     assert "PRORSA_TIME_SCALE" not in os.environ
     monkeypatch.setenv("PRORSA_TIME_SCALE", "4")
-    with clock.time_scale_set(50.0):
+    with time_scale_set(50.0):
         pass
-    assert clock.time_scale() == 4.0
+    assert Clock.from_env().time_scale == 4.0

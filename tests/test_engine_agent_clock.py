@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from proto import RequestFinished, Subjects
 from services.engine_agent.backends.sim_backend import DEFAULT_SPEEDUP, SimBackend, resolve_speedup
+from services.runtime.clock import Clock
 from tests.engine_agent_support import (
     PROFILE,
     Watcher,
@@ -29,12 +30,23 @@ def test_speedup_defaults_to_the_time_scale_and_a_flag_overrides_it(monkeypatch:
     assert SimBackend(PROFILE, "e").speedup == DEFAULT_SPEEDUP
     monkeypatch.setenv("PRORSA_TIME_SCALE", "35")
     assert SimBackend(PROFILE, "e").speedup == 35.0
+    assert SimBackend(PROFILE, "e", clock=Clock(4.0)).speedup == 4.0  # a clock handed in is the scale
     with capture_logs() as logs:
-        assert resolve_speedup(35.0) == 35.0
-        assert resolve_speedup(50.0, "e1") == 50.0  # the flag wins, with a warning
+        assert resolve_speedup(35.0, 35.0) == 35.0
+        assert resolve_speedup(50.0, 35.0, "e1") == 50.0  # the flag wins, with a warning
+        assert resolve_speedup(50.0, None) == 50.0  # no scale set: nothing to differ from
     assert [(e["event"], e["speedup"], e["time_scale"]) for e in logs] == [
         ("speedup_differs_from_time_scale", 50.0, 35.0)
     ]
+
+
+def test_the_agent_and_its_engine_share_one_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built under scale X, the agent, its runner's view and its backend keep X after the variable changes."""
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "8")
+    agent = make_agent("nats://127.0.0.1:1", "clk-1", "mixed", speedup=None)
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "3")
+    assert agent.clock is agent.backend.clock  # type: ignore[attr-defined]
+    assert agent.clock.time_scale == 8.0 and agent.backend.speedup == 8.0  # type: ignore[attr-defined]
 
 
 async def test_reported_e2e_is_the_modelled_virtual_time(

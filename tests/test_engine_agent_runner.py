@@ -49,6 +49,7 @@ class FakeAgent:
         self.engine_id = "fake-0"
         self.subjects = Subjects()
         self.backend = backend
+        self.clock = backend.clock
         self.policy_version = 3
         self.log = SimpleNamespace(
             info=lambda *a, **k: None, warning=lambda *a, **k: None, error=lambda *a, **k: None

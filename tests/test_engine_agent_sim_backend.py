@@ -13,7 +13,6 @@ from services.engine_agent.backend import Backend, KvUnavailable
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.runtime import clock
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
 
@@ -152,7 +151,7 @@ async def test_expired_kv_raises_before_any_token() -> None:
             request=req("g", 10),
             prefill_engine="p",
             first_token_id=1,
-            kv_transfer_params={"sim_expires_s": clock.now_s() - 1},
+            kv_transfer_params={"sim_expires_s": b.clock.now_s() - 1},
         )
         with pytest.raises(KvUnavailable):
             await anext(b.decode(gone))

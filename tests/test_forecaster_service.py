@@ -9,7 +9,6 @@ import proto
 from prorsa.bench.synthetic import SyntheticWorkload, generate_events
 from proto import DemandForecast, EngineEvent, Subjects
 from services.forecaster.service import ForecasterService
-from services.runtime import clock
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker.core import TrackerCore
 
@@ -87,9 +86,9 @@ async def test_published_forecasts_encode_after_a_real_snapshot(nats_server: Emb
         tracker = TrackerCore()
         events = generate_events(SyntheticWorkload(trajectories=10, seed=5))
         await _publish_first_half(nc, svc, tracker, events)
-        # Snapshots on the service's clock (its events were observed at clock.now_s()), a second apart, so the
-        # series windows close and the predictor forecasts from numpy arrays of them.
-        t0 = clock.now_s() + 1.0
+        # Snapshots on the service's clock (its events were observed at svc.clock.now_s()), a second apart, so
+        # the series windows close and the predictor forecasts from numpy arrays of them.
+        t0 = svc.clock.now_s() + 1.0
         for i in range(3):
             await nc.publish(S.snapshot, proto.encode(tracker.snapshot(t0 + i)))
         await _wait_for(lambda: len(forecasts) == 3)

@@ -20,6 +20,7 @@ from services.engine_agent.backends.vllm_engine import (
     request_seed,
 )
 from services.engine_agent.backends.vllm_stats import EngineStatsBox
+from services.runtime.clock import Clock
 
 CONFIG = VllmEngineConfig(model_path="/nonexistent", engine_id="e1", nixl_port=5601, max_model_len=100)
 
@@ -134,3 +135,23 @@ async def test_decode_refuses_a_handoff_past_the_kv_lease() -> None:
     with pytest.raises(KvUnavailable):
         async for _ in backend.decode(stale):
             pass
+
+
+async def test_the_kv_lease_is_read_on_the_shared_clock_when_it_is_compressed() -> None:
+    """Handoffs are stamped on the scaled clock; the lease is vLLM's, in wall seconds. At 10 virtual seconds per
+    wall second a handoff stamped a lease of wall time ago is stale, and one stamped half a lease ago is not."""
+    clock = Clock(10.0)
+    backend = VllmBackend(CONFIG, clock=clock)
+
+    def handoff(age_wall_s: float) -> DecodeHandoff:
+        return DecodeHandoff(
+            request=_request(10, 20),
+            prefill_engine="p",
+            first_token_id=3,
+            kv_transfer_params={"remote_engine_id": "p"},
+            handed_off_s=clock.now_s() - age_wall_s * clock.time_scale,
+        )
+
+    with pytest.raises(KvUnavailable):
+        backend._check_lease(handoff(CONFIG.kv_lease_s))
+    backend._check_lease(handoff(0.5 * CONFIG.kv_lease_s))  # within the lease's safe part: no error

@@ -25,7 +25,6 @@ from prorsa.client.client import ClusterSaturated
 from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from proto import RequestFinished, SamplingParams, TokenChunk
 from services.engine_agent.backends.sim_tokens import SimTokens
-from services.runtime import clock
 from services.runtime.logging import get_logger
 
 log = get_logger("fault_load", "campaign")
@@ -147,7 +146,7 @@ class Load:
             context += len(res.token_ids)
             if k + 1 < sh.turns:
                 await traj.tool_started("tool")
-                await clock.sleep_s(sh.tool_s)
+                await self.client.clock.sleep_s(sh.tool_s)
                 await traj.tool_finished("tool", observation_tokens=sh.observation_tokens)
         await traj.finish(reward=0.0)
         self.finished[traj_id] = time.monotonic()

@@ -9,7 +9,8 @@
 It publishes the lifecycle events the tracker needs (with a per-client sequence number), sends each turn to the
 engine that holds the trajectory's prefix when that engine can take it (else to the shared prefill queue), and
 assembles the token stream exactly once (`stream.StreamAssembler`). Timestamps on the bus use the shared scaled
-clock (`services.runtime.clock`); retry and staleness timers are wall-clock, as they guard against real outages.
+clock (`client.clock`, a `services.runtime.clock.Clock`); retry and staleness timers are wall-clock
+(`time.monotonic`), as they guard against real outages.
 A request that shows no progress for `retry_after_s` is republished with the same request_id and attempt+1;
 whichever copy completes first is the result and the other's chunks are dropped, so a retry never duplicates a
 result.
@@ -62,7 +63,6 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
-from services.runtime import clock
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -70,6 +70,7 @@ from services.runtime.bus import (
     is_queue_full,
     js_publish_patiently,
 )
+from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
@@ -110,8 +111,11 @@ class RolloutClient:
         admission_timeout_s: float | None = None,
         publish_wait_s: float = 120.0,
         recover_after_s: float = 3.0,
+        clock: Clock | None = None,
     ) -> None:
+        """`clock`: the scaled clock stamps are taken on (None: $PRORSA_TIME_SCALE's, read now)."""
         self.nc = nc
+        self.clock = clock if clock is not None else Clock.from_env()
         self.js = nc.jetstream()
         self.subjects = Subjects(namespace)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
@@ -183,7 +187,7 @@ class RolloutClient:
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def emit(self, make: Callable[..., LifecycleEvent], **fields: object) -> None:
         """Publish one lifecycle event into the EVENTS stream (JetStream-acked, so none is lost)."""
-        msg = make(ts_s=clock.now_s(), source=self.client_id, seq=next(self._seq), **fields)
+        msg = make(ts_s=self.clock.now_s(), source=self.client_id, seq=next(self._seq), **fields)
         headers = {"Nats-Msg-Id": f"{self.run_id}:{msg.seq}"}
         await js_publish_patiently(
             self.js, self.subjects.lifecycle, proto.encode(msg), headers, self.publish_wait_s
@@ -423,7 +427,7 @@ class Trajectory:
             policy_version=self.policy_version,
             task=self.task,
             affinity_engine=self.affinity_engine,
-            submitted_s=clock.now_s(),
+            submitted_s=self.client.clock.now_s(),
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
         )

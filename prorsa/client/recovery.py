@@ -100,6 +100,7 @@ async def watch_reconnects(
     """Poll the connection (wall cadence) and await `on_reconnect(since_s)` after each reconnect."""
     watch = ReconnectWatch(reconnects=int(nc.stats.get("reconnects", 0)))
     while True:
+        # Unscaled wall time: it is compared with the server's storage times of the REPLIES stream (`replay`).
         since = watch.poll(nc.is_connected, int(nc.stats.get("reconnects", 0)), time.time())
         if since is not None:
             await on_reconnect(since)

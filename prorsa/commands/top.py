@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
+from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ async def watch(
             )
             return 1
         title = f"prorsa top · {url} · namespace {namespace}"
+        # Wall seconds: refresh cadence and "last heard" ages (TopState's `now`), never compared with a bus stamp.
         start = asked = time.monotonic()
         with Live(render(state.view(time.monotonic()), title), console=console, auto_refresh=False) as live:
             while for_s is None or time.monotonic() - start < for_s:
@@ -142,6 +144,8 @@ async def _subscribe(nc: Any, state: Any, s: Any) -> Any:
     await nc.subscribe(inbox, cb=feed(proto.HealthReply))
 
     async def probe() -> None:
-        await nc.publish(s.health, proto.encode(proto.HealthRequest(ts_s=time.time())), reply=inbox)
+        # Stamped on the shared scaled clock, like every message on the bus.
+        ask = proto.HealthRequest(ts_s=Clock.from_env().now_s())
+        await nc.publish(s.health, proto.encode(ask), reply=inbox)
 
     return probe

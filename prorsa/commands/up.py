@@ -103,7 +103,7 @@ async def wait_healthy(
 
     from prorsa.health import gather_health
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s  # wall: how long a person waits for the system to come up
     replies: list = []
     while time.monotonic() < deadline and not give_up():
         on_poll()

@@ -13,9 +13,9 @@ RL modes (the same semantics as the simulator's):
   a trajectory whose policy version falls more than k versions behind is aborted and restarted under the new
   weights (counted in `restarts`).
 
-Times are read from the shared scaled clock (`services.runtime.clock`): with simulated engines at a speed-up the
-whole system runs PRORSA_TIME_SCALE workload seconds per wall second, so tool latencies, training phases and every
-reported duration are in workload seconds.
+Times are read from the client's clock (`client.clock`, the shared scaled clock of `services.runtime.clock`): with
+simulated engines at a speed-up the whole system runs PRORSA_TIME_SCALE workload seconds per wall second, so tool
+latencies, training phases and every reported duration are in workload seconds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
 from prorsa.workload.types import TrajectorySpec
 from proto import PolicyVersionUpdate, SamplingParams
-from services.runtime import clock
 from services.runtime.logging import get_logger
 
 log = get_logger("rollout_driver", "main")
@@ -59,6 +58,7 @@ class RolloutDriver:
         self, client: RolloutClient, config: RolloutConfig, progress: ProgressFn | None = None
     ) -> None:
         self.client = client
+        self.clock = client.clock  # the client's: the turns it stamps and the durations here share one scale
         self.config = config
         self.progress = progress or (lambda what, done, total: None)
         self.metrics = RolloutMetrics()
@@ -69,10 +69,10 @@ class RolloutDriver:
 
     def now_v(self) -> float:
         """Virtual seconds since the rollout began."""
-        return clock.monotonic_s() - self._t0
+        return self.clock.monotonic_s() - self._t0
 
     async def run(self, steps: list[list[TrajectorySpec]]) -> RolloutMetrics:
-        self._t0 = clock.monotonic_s()
+        self._t0 = self.clock.monotonic_s()
         total = sum(len(s) for s in steps)
         for i, batch in enumerate(steps):
             for spec in batch:
@@ -96,9 +96,9 @@ class RolloutDriver:
         return self.metrics
 
     async def _train(self) -> None:
-        await clock.sleep_s(self.config.training_s)
+        await self.clock.sleep_s(self.config.training_s)
         self.version += 1
-        update = PolicyVersionUpdate(version=self.version, ts_s=clock.now_s())
+        update = PolicyVersionUpdate(version=self.version, ts_s=self.clock.now_s())
         await self.client.nc.publish(self.client.subjects.policy_version, proto.encode(update))
 
     async def _trajectory(self, spec: TrajectorySpec, total: int) -> None:
@@ -166,7 +166,7 @@ class RolloutDriver:
             if k + 1 < len(spec.turns):
                 await traj.tool_started("tool")
                 t_tool = self.now_v()
-                await clock.sleep_s(turn.tool_latency_s)
+                await self.clock.sleep_s(turn.tool_latency_s)
                 rec.tool_s += self.now_v() - t_tool
                 rec.tool_calls += 1
                 await traj.tool_finished(

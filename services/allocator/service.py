@@ -1,6 +1,6 @@
 """The allocator service: engine stats and forecasts in, epoch-fenced role-switch commands and plans out.
 
-Every `interval_s` (wall clock) it
+Every `interval_s` (scaled seconds, on `self.clock`) it
 1. forgets commands whose ack is overdue (logged; never re-sent as such — `SwitchCoordinator` rule 2);
 2. builds a `ClusterView` from *fresh* engine stats only (received within `stale_after_s`; stats stamped in the
    future or older than that bound are dropped on arrival), the WORK stream's depth, the request-level load seen on
@@ -56,7 +56,7 @@ from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError
 from services.allocator.registry import make_policy, policy_names
 from services.allocator.switch_coordinator import SwitchCoordinator
-from services.runtime import clock
+from services.runtime.clock import Clock
 from services.runtime.service import Service
 
 
@@ -83,9 +83,10 @@ class AllocatorService(Service):
         drain_timeout_s: float = 30.0,
         initial_phase_s: float = 30.0,
         observe_events: bool = True,
+        clock: Clock | None = None,
     ) -> None:
         """Raises PolicyError (unknown policy) or ValueError (unknown profile) at once, not at the first tick."""
-        super().__init__(nats_url, namespace, instance_id, metrics_port)
+        super().__init__(nats_url, namespace, instance_id, metrics_port, clock)
         if isinstance(policy, str) and policy.split(":")[0] not in policy_names():
             raise PolicyError(f"unknown policy {policy!r}; known: {', '.join(policy_names())}")
         # "auto" (or None): the profile the engines report (EngineStats.profile), else the default
@@ -151,7 +152,7 @@ class AllocatorService(Service):
         self.spawn(self._loop(), name="allocator-loop")
 
     def health_details(self) -> dict[str, Any]:
-        now = clock.now_s()
+        now = self.clock.now_s()
         return {
             "policy": self.policy.name if self.policy is not None else self.policy_spec,
             "profile": self.profile.name,
@@ -168,7 +169,7 @@ class AllocatorService(Service):
     # --- inputs -------------------------------------------------------------------------------------------------
     async def _on_stats(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, EngineStats)
-        now = clock.now_s()
+        now = self.clock.now_s()
         if raw.subject.rsplit(".", 1)[-1] != msg.engine_id:
             await self.reject(
                 raw, "invalid_request", f"stats for {msg.engine_id} on {raw.subject}", "engine_id"
@@ -199,12 +200,12 @@ class AllocatorService(Service):
         out = self.coord.outstanding.get(ack.engine_id)
         if out is not None and ack.ok and ack.epoch >= out.epoch:
             self.applied[ack.engine_id] = (ack.epoch, ack.role)
-        self.coord.observe_ack(ack, clock.now_s())
+        self.coord.observe_ack(ack, self.clock.now_s())
         return True
 
     async def _on_forecast(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, DemandForecast)
-        self.forecast, self._forecast_rx_s = msg, clock.now_s()
+        self.forecast, self._forecast_rx_s = msg, self.clock.now_s()
 
     async def _on_snapshot(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, LifecycleSnapshot)
@@ -223,7 +224,7 @@ class AllocatorService(Service):
     # --- the decision loop --------------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while not self.stopping:
-            await clock.sleep_s(self.interval_s)  # the policy's interval is in (scaled) seconds
+            await self.clock.sleep_s(self.interval_s)  # the policy's interval is in (scaled) seconds
             try:
                 await self.tick()
             except Exception as exc:  # one bad decision must not end the loop
@@ -248,7 +249,7 @@ class AllocatorService(Service):
 
     async def tick(self) -> list[RoleSwitchCommand]:
         """One decision: view → policy → commands → plan. Returns the commands sent (tests, logs)."""
-        now = clock.now_s()
+        now = self.clock.now_s()
         for engine in self.coord.expire(now):
             self.log.warning("ack_timeout", engine=engine, note="not retried; the next stats decide")
         fresh = self.coord.fresh_engines(now)
@@ -304,7 +305,7 @@ class AllocatorService(Service):
             if (todo or self.coord.outstanding) and now < self._initial_until_s:
                 return todo, f"{self.policy.name}: initial roles", True
             self._initial_done = True
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # wall: the decision's real compute latency
         try:
             plan = self.policy.decide(view)
         except PolicyError as exc:

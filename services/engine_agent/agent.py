@@ -10,8 +10,9 @@ Roles: `prefill` takes GenerateRequests and hands their KV to the decode queue; 
 streams tokens; `mixed` (colocation) takes GenerateRequests and decodes them itself, and takes handoffs when it has
 no prefill work.
 
-Time: every timestamp (`ts_s`), duration and rate the agent publishes is in scaled seconds read from
-`services.runtime.clock` (wall seconds × $PRORSA_TIME_SCALE), the one notion of a second shared across the bus.
+Time: every timestamp (`ts_s`), duration and rate the agent publishes is in scaled seconds read from its engine's
+`Clock` (`backend.clock`, wall seconds × the time scale; see `services.runtime.clock`), the one notion of a second
+shared across the bus. The runner, the puller and the switch drain read the agent's `clock` too.
 Fixed cadences of the agent's own loops (stats, progress, polls, heartbeats against JetStream's ack_wait) stay in
 wall seconds: they pace I/O, not the modelled engine.
 """
@@ -46,7 +47,6 @@ from services.engine_agent.role_state import (
 from services.engine_agent.runner import JobRunner
 from services.engine_agent.switch_drain import drain_for_switch, hand_off_all
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
-from services.runtime import clock
 from services.runtime.service import Service
 
 
@@ -92,7 +92,10 @@ class EngineAgent(Service):
         metrics_port: int | None = None,
     ) -> None:
         check_token(engine_id, "engine id")
-        super().__init__(nats_url, namespace, instance_id or f"engine_agent-{engine_id}", metrics_port)
+        # One clock for the agent and its engine (their stamps and durations are compared with each other).
+        super().__init__(
+            nats_url, namespace, instance_id or f"engine_agent-{engine_id}", metrics_port, backend.clock
+        )
         self.engine_id = engine_id
         self.backend = backend
         self.domain_metrics = EngineMetrics(self.metrics, engine_id)
@@ -119,7 +122,7 @@ class EngineAgent(Service):
         self._event_seq = 0
         self._pending_update: PolicyVersionUpdate | None = None
         self._weights_task: asyncio.Task[Any] | None = None
-        self._stats_prev = (clock.monotonic_s(), 0, 0, 0)
+        self._stats_prev = (self.clock.monotonic_s(), 0, 0, 0)
         self._hit_rate = 0.0
         self._handed_off = False
         self._serving = False  # set once setup() completed: only then is there work to hand off
@@ -187,7 +190,7 @@ class EngineAgent(Service):
     async def emit(self, cls: type[Message], **fields: Any) -> None:
         """Publish an engine event (PrefillDone, TokenProgress, ...) into the EVENTS stream, numbered per engine."""
         self._event_seq += 1
-        msg = cls(engine_id=self.engine_id, ts_s=clock.now_s(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
+        msg = cls(engine_id=self.engine_id, ts_s=self.clock.now_s(), seq=self._event_seq, **fields)  # type: ignore[call-arg]
         if isinstance(msg, RequestFinished):
             self.domain_metrics.on_finished(msg)
         try:
@@ -201,7 +204,7 @@ class EngineAgent(Service):
 
     async def _on_command(self, cmd: Message, raw: Any) -> None:
         assert isinstance(cmd, RoleSwitchCommand)
-        self.role_state, d = on_command(self.role_state, cmd, clock.now_s())
+        self.role_state, d = on_command(self.role_state, cmd, self.clock.now_s())
         self.log.info("role_command", epoch=cmd.epoch, role=cmd.role, decision=d.kind)
         if d.kind == "rejected":
             await self.reject(raw, d.error_kind, d.error)
@@ -229,10 +232,12 @@ class EngineAgent(Service):
                 except Exception as exc:
                     self.metrics.count_error("switch")
                     self.log.exception("role_switch_failed", epoch=cmd.epoch, error=repr(exc))
-                    self.role_state, ack, cmd = on_switch_failed(self.role_state, clock.now_s(), repr(exc))
+                    self.role_state, ack, cmd = on_switch_failed(
+                        self.role_state, self.clock.now_s(), repr(exc)
+                    )
                 else:
                     self.role_state, ack, cmd = on_switch_done(
-                        self.role_state, clock.now_s(), migrated, drained
+                        self.role_state, self.clock.now_s(), migrated, drained
                     )
                     self.last_switch_s = ack.switch_s
                 self.log.info(
@@ -279,8 +284,8 @@ class EngineAgent(Service):
             self.puller.pause("weights")
             try:
                 await self.puller.wait_idle()
-                deadline_s = clock.monotonic_s() + self.config.weights_drain_timeout_s
-                while self.runner.jobs and clock.monotonic_s() < deadline_s:
+                deadline_s = self.clock.monotonic_s() + self.config.weights_drain_timeout_s
+                while self.runner.jobs and self.clock.monotonic_s() < deadline_s:
                     await asyncio.sleep(0.02)  # a wall-time poll interval
                 async with self.reconfig_lock:
                     path = resolve(update.weights_path, self.config.weights_root)
@@ -306,7 +311,7 @@ class EngineAgent(Service):
     def stats_snapshot(self) -> EngineStats:
         """EngineStats now; token rates are per scaled second over the time since the previous snapshot."""
         r = self.runner
-        now = clock.monotonic_s()
+        now = self.clock.monotonic_s()
         t0, new0, cached0, dec0 = self._stats_prev
         self._stats_prev = (now, r.prefill_new_tokens, r.prefill_cached_tokens, r.decode_tokens)
         dt = max(now - t0, 1e-6)
@@ -316,7 +321,7 @@ class EngineAgent(Service):
         b = self.backend.stats()
         return EngineStats(
             engine_id=self.engine_id,
-            ts_s=clock.now_s(),
+            ts_s=self.clock.now_s(),
             role=self.role,  # type: ignore[arg-type]
             epoch=self.role_state.applied_epoch,
             backend=self.backend.name,

@@ -101,6 +101,9 @@ class Backend(Protocol):
 
     name: str  # "sim" | "vllm": reported in EngineStats.backend
     max_model_len: int  # context + output tokens a sequence may reach
+    # The `services.runtime.clock.Clock` its stamps and sleeps are on; the agent runs on the same one. (Typed Any:
+    # this module is a pure core, and the clock module reads time.)
+    clock: Any
 
     async def start(self) -> None:
         """Load the model / start the engine loop. Raises BackendError if the engine cannot start."""

@@ -31,8 +31,8 @@ class Job:
     msg: Any  # nats Msg to ack; replaced when JetStream redelivers the same message while it runs
     stream_seq: int  # the message's sequence in the WORK stream: what a redelivery shares with the original
     expected_tokens: int  # whole-turn output the backend expects
-    pulled_wall_s: float  # clock.now_s() when pulled (Unix time, scaled seconds)
-    pulled_mono: float  # clock.monotonic_s() when pulled (scaled seconds)
+    pulled_wall_s: float  # the agent's clock.now_s() when pulled (Unix time, scaled seconds)
+    pulled_mono: float  # the agent's clock.monotonic_s() when pulled (scaled seconds)
     handoff: DecodeHandoff | None = None
     kv_reserved_tokens: int = 0
     next_index: int = 0  # index of the next TokenChunk

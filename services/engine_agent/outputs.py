@@ -1,6 +1,6 @@
 """The messages a job sends, built from its state (pure: times are parameters, nothing is published here).
 
-Times: `now_s` is `services.runtime.clock.now_s()` (Unix time in scaled seconds, comparable with the client's
+Times: `now_s` is the agent's `Clock.now_s()` (Unix time in scaled seconds, comparable with the client's
 `submitted_s`), `now_mono` the scaled monotonic clock the job's stream times were taken on. A request's latencies count from `submitted_s` when the
 client set it, else from when this engine pulled it.
 """

@@ -36,7 +36,6 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.pull_capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
-from services.runtime import clock
 from services.runtime.bus import WORK_MAX_DELIVER
 
 
@@ -167,9 +166,10 @@ class WorkPuller:
         if not (role == "mixed" and kind == "decode"):
             return self.config.any_poll_s
         # A mixed engine takes handoffs only with no prompt of its own to prefill, at most every decode_check_s
-        # (a wall interval; the clock reads scaled seconds, hence × the time scale).
+        # (a wall interval; the clock reads scaled seconds, hence converted).
+        clock = self.agent.clock
         since_s = clock.monotonic_s() - self._last_decode_check
-        if since_s < self.config.decode_check_s * clock.time_scale() or self.runner.held().prefill_jobs:
+        if clock.wall_s(since_s) < self.config.decode_check_s or self.runner.held().prefill_jobs:
             return None
         self._last_decode_check = clock.monotonic_s()
         return self.config.own_poll_s

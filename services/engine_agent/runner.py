@@ -12,8 +12,8 @@ Rules that keep every request exactly once for the client:
   prefill queue); one that streamed tokens migrates as a GenerateRequest on `work.prefill.any` with
   `resume_token_ids` = everything streamed so far and `next_chunk_index` = the next index.
 
-Times are read from `services.runtime.clock` (scaled seconds): stream times, TTFT/e2e, handoff stamps. The sleeps
-here (chunk, heartbeat and progress intervals) are wall-time I/O cadences.
+Times are read from the agent's clock (`io.clock`, scaled seconds): stream times, TTFT/e2e, handoff stamps. The
+sleeps here (chunk, heartbeat and progress intervals) are wall-time I/O cadences.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from services.engine_agent import outputs
 from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import Ewma, HeldWork, kv_reservation_tokens
-from services.runtime import clock
+from services.runtime.clock import Clock
 
 MAX_DONE_KEYS = 100_000  # (request_id, stream sequence) pairs remembered for de-duplication
 MAX_DELIVERIES_ON_ERROR = 3  # an engine error naks the work for redelivery this many times, then fails it
@@ -52,6 +52,7 @@ class AgentIO(Protocol):
     engine_id: str
     subjects: Subjects
     backend: Backend
+    clock: Clock
     policy_version: int
     log: Any
     metrics: Any
@@ -133,8 +134,8 @@ class JobRunner:
             msg=msg,
             stream_seq=seq,
             expected_tokens=expected,
-            pulled_wall_s=clock.now_s(),
-            pulled_mono=clock.monotonic_s(),
+            pulled_wall_s=self.io.clock.now_s(),
+            pulled_mono=self.io.clock.monotonic_s(),
             handoff=work if isinstance(work, DecodeHandoff) else None,
             kv_reserved_tokens=0 if kind == "prefill" else kv_reservation_tokens(context, expected),
             next_index=request.next_chunk_index,
@@ -219,7 +220,7 @@ class JobRunner:
             await self._send(job, [res.first_token_id], lps, final=True, reason=res.finish_reason or "length")
             await self._finished(job, res.finish_reason or "length")
             return
-        handoff = outputs.decode_handoff(job, res, self.io.engine_id, clock.now_s())
+        handoff = outputs.decode_handoff(job, res, self.io.engine_id, self.io.clock.now_s())
         msg_id = f"{req.request_id}#{req.attempt}:h{job.stream_seq}"
         await self.io.js_publish(self.io.subjects.decode_work_any, handoff, msg_id=msg_id)
         await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=True)
@@ -288,7 +289,7 @@ class JobRunner:
     async def _send(
         self, job: Job, ids: list[int], logprobs: list[float] | None, final: bool = False, reason: str = ""
     ) -> None:
-        now = clock.monotonic_s()
+        now = self.io.clock.monotonic_s()
         if ids:
             if job.first_stream_mono is None:
                 job.first_stream_mono = now
@@ -305,7 +306,7 @@ class JobRunner:
             final=final,
             reason=reason,
             policy_version=self.io.policy_version,
-            now_s=clock.now_s(),
+            now_s=self.io.clock.now_s(),
             now_mono=now,
         )
         await self.io.publish(job.request.reply_to, chunk)
@@ -327,7 +328,7 @@ class JobRunner:
 
     async def _finished(self, job: Job, reason: str) -> None:
         fields = outputs.finished_fields(
-            job, reason, self.io.policy_version, clock.now_s(), clock.monotonic_s()
+            job, reason, self.io.policy_version, self.io.clock.now_s(), self.io.clock.monotonic_s()
         )
         await self.io.emit(RequestFinished, **fields)
         await self._complete(job, "finished")

@@ -11,8 +11,8 @@ A switch (the epoch decision is `role_state`'s; this only executes an accepted c
 A graceful stop hands on everything at once: nothing the engine held is lost, and migrated streams stay exact
 (a crash instead relies on JetStream redelivery).
 
-Timeouts: a command's `drain_timeout_s` bounds generation, so it is in scaled seconds (`services.runtime.clock`,
-like the inter-token times `plan_drain` compares it with); the others bound I/O (a fetch, a publish) and are wall
+Timeouts: a command's `drain_timeout_s` bounds generation, so it is in scaled seconds (the agent's `clock`, like
+the inter-token times `plan_drain` compares it with); the others bound I/O (a fetch, a publish) and are wall
 seconds.
 """
 
@@ -25,7 +25,6 @@ from proto import RoleSwitchCommand
 from services.engine_agent.jobs import Job
 from services.engine_agent.pull_capacity import DrainItem, plan_drain
 from services.engine_agent.role_state import job_fate
-from services.runtime import clock
 
 HAND_ON_TIMEOUT_S = 10.0  # wall: a stopped job publishes one message and acks, seconds are plenty
 
@@ -52,7 +51,7 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
     movers = [by_id[i] for i in migrate_ids]
     for job in movers:
         await runner.stop_job(job)
-    await wait_jobs(finishing, cmd.drain_timeout_s / clock.time_scale())
+    await wait_jobs(finishing, agent.clock.wall_s(cmd.drain_timeout_s))
     late = [j for j in finishing if not _ended(j)]
     for job in late:
         await runner.stop_job(job)

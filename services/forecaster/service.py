@@ -28,7 +28,7 @@ from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, LifecycleSnapshot, 
 from services.forecaster.core import ForecasterCore
 from services.forecaster.metrics import ForecastMetrics
 from services.forecaster.series import HORIZONS_S
-from services.runtime import clock
+from services.runtime.clock import Clock
 from services.runtime.service import Service
 
 EVENT_TYPES = (*LIFECYCLE_MESSAGES, *ENGINE_EVENT_MESSAGES)
@@ -49,8 +49,10 @@ class ForecasterService(Service):
         refit_interval_s: float = 30.0,
         seed: int = 0,
         forecast_interval_s: float = 5.0,
+        *,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__(nats_url, namespace, instance_id, metrics_port)
+        super().__init__(nats_url, namespace, instance_id, metrics_port, clock)
         self.forecast_interval_s = forecast_interval_s
         self._last_forecast_s = -math.inf
         self.snapshots_without_forecast = 0
@@ -68,7 +70,7 @@ class ForecasterService(Service):
         await self.subscribe(self.subjects.all_engine_events, self._on_event, EVENT_TYPES)
 
     async def _on_event(self, event: Message, msg: Msg) -> None:
-        self.core.observe_event(event, clock.now_s())
+        self.core.observe_event(event, self.clock.now_s())
 
     async def _on_snapshot(self, snapshot: Message, msg: Msg) -> None:
         assert isinstance(snapshot, LifecycleSnapshot)

@@ -100,7 +100,7 @@ async def js_publish_patiently(
 ) -> None:
     """Publish into a stream, retrying transient failures (see above) with backoff for up to `wait_s` wall seconds;
     then the last error is raised. `on_retry(exc)` is called before each retry (counting, logging)."""
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + wait_s  # wall: an outage lasts real seconds, whatever the time scale
     delay = 0.05
     while True:
         try:

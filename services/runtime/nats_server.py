@@ -90,7 +90,7 @@ class EmbeddedNatsServer:
         # outlive the services that are still draining on it; whoever started it stops it (`stop`, atexit).
         self._proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
         atexit.register(self.stop)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s  # wall: the server process's start-up
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise NatsServerError(

@@ -16,6 +16,10 @@ Health. A health request is answered only when it decodes as a `HealthRequest` (
 answered: one stray message on the health subject must not fan out into one reply per service). A background task
 that died of an exception (our bug) makes the service report `unhealthy` naming the task, for as long as it lives:
 a service whose consuming loop is gone must not keep answering "ok".
+
+Time. A service reads time from `self.clock` (`services.runtime.clock.Clock`, given at construction or read from
+$PRORSA_TIME_SCALE then): every stamp it publishes (`ts_s`) is on that shared scaled clock, because receivers compare
+stamps with their own. Its own health measurements (uptime, event-loop lag) stay in wall seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from nats.js import JetStreamContext
 import proto
 from proto import ErrorReply, HealthReply, HealthRequest, Message, ProtoError, Subjects
 from services.runtime.bus import connect, ensure_streams, is_queue_full, js_publish_patiently
+from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 from services.runtime.metrics import ServiceMetrics
@@ -55,8 +60,11 @@ class Service:
         namespace: str = "prorsa",
         instance_id: str | None = None,
         metrics_port: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        """`clock`: the scaled clock the service stamps and times with (None: $PRORSA_TIME_SCALE's, read now)."""
         self.nats_url = nats_url
+        self.clock = clock if clock is not None else Clock.from_env()
         self.subjects = Subjects(namespace)
         self.instance_id = instance_id or f"{self.name}-{uuid.uuid4().hex[:8]}"
         self.metrics = ServiceMetrics(self.name, self.instance_id)
@@ -67,7 +75,7 @@ class Service:
         self.credentials: BusCredentials | None = None  # None: the PRORSA_NATS_* environment's
         self._stop_event = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._started_mono = time.monotonic()
+        self._started_mono = time.monotonic()  # wall: uptime is the process's, not the workload's
         self.status: str = "ok"
         self.failed_tasks: dict[str, str] = {}  # task name -> its exception: reported as "unhealthy"
         self.bad_input = 0  # messages rejected as bad input (undecodable, wrong type or version, invalid)
@@ -207,7 +215,7 @@ class Service:
             field=field,
             request_id=request_id,
             service=self.instance_id,
-            ts_s=time.time(),
+            ts_s=self.clock.now_s(),
         )
         target = msg.reply if msg.reply and not _is_js(msg) else self.subjects.errors
         with contextlib.suppress(Exception):
@@ -299,7 +307,7 @@ class Service:
             instance_id=self.instance_id,
             status=self.health_status,  # type: ignore[arg-type]
             uptime_s=time.monotonic() - self._started_mono,
-            ts_s=time.time(),
+            ts_s=self.clock.now_s(),
             details=details,
         )
         with contextlib.suppress(Exception):
@@ -307,7 +315,7 @@ class Service:
 
     async def _probe_loop_lag(self, interval_s: float = 0.5) -> None:
         """Schedule a wake-up and measure how late it came: a busy or blocked loop shows up here."""
-        while True:
+        while True:  # wall seconds: the lag is the event loop's own, whatever the time scale
             t0 = time.monotonic()
             await asyncio.sleep(interval_s)
             self.metrics.observe_lag(max(0.0, time.monotonic() - t0 - interval_s))

@@ -45,8 +45,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, ErrorReply, Message
-from services.runtime import clock
 from services.runtime.bus import EVENTS_MAX_DELIVER
+from services.runtime.clock import Clock
 from services.runtime.service import Service
 from services.trajectory_tracker import checkpoint
 from services.trajectory_tracker.checkpoint import CheckpointError
@@ -71,13 +71,15 @@ class TrackerService(Service):
         fetch_batch: int = 256,
         consumer_inactive_s: float = 30.0,
         checkpoint_interval_s: float | None = 5.0,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         """`checkpoint_interval_s`: wall seconds between checkpoints (None: none written or read)."""
-        super().__init__(nats_url, namespace, instance_id, metrics_port)
+        super().__init__(nats_url, namespace, instance_id, metrics_port, clock)
         if not (snapshot_interval_s > 0.0):
             raise ValueError("snapshot_interval_s must be > 0")
         wall = config or TrackerConfig()
-        scale = clock.time_scale()
+        scale = self.clock.time_scale
         self.core = TrackerCore(
             dataclasses.replace(
                 wall, silent_after_s=wall.silent_after_s * scale, lost_after_s=wall.lost_after_s * scale
@@ -202,7 +204,7 @@ class TrackerService(Service):
                 await msg.ack()
             return
         # Storage time in the stream (identical on every replay), on the shared scaled clock.
-        now = meta.timestamp.timestamp() * clock.time_scale()
+        now = meta.timestamp.timestamp() * self.clock.time_scale
         rejections = self.core.apply(event, now)
         self.last_stream_seq = meta.sequence.stream
         self.events_applied += 1
@@ -219,14 +221,14 @@ class TrackerService(Service):
         self.metrics.count_error(r.kind)
         self.log.warning("event_rejected", kind=r.kind, traj_id=r.traj_id, detail=r.detail, subject=subject)
         reply = ErrorReply(
-            kind=r.kind, error=r.detail, subject=subject, service=self.instance_id, ts_s=clock.now_s()
+            kind=r.kind, error=r.detail, subject=subject, service=self.instance_id, ts_s=self.clock.now_s()
         )
         with contextlib.suppress(Exception):
             await self.publish(self.subjects.errors, reply)
 
     async def _snapshot_loop(self) -> None:
         while not self.stopping:
-            await clock.sleep_s(self.snapshot_interval_s)  # scaled seconds, like every `now` here
+            await self.clock.sleep_s(self.snapshot_interval_s)  # scaled seconds, like every `now` here
             if not self.caught_up:
                 await self._check_caught_up()
                 if not self.caught_up:
@@ -242,7 +244,7 @@ class TrackerService(Service):
 
     async def publish_snapshot(self) -> None:
         # The stream's clock may run slightly ahead of ours (another host): never snapshot before the last event.
-        now = max(clock.now_s(), self.core.clock_s)
+        now = max(self.clock.now_s(), self.core.clock_s)
         lost = self.core.expire(now)
         if lost:
             self.log.info("trajectories_lost", count=len(lost), first=lost[0])

@@ -1,9 +1,9 @@
 """The simulated engine backend: `SimScheduler` run in real time, `speedup` virtual seconds per wall second.
 
-Time. Every clock reading and sleep goes through `services.runtime.clock` (scaled seconds = wall seconds ×
-$PRORSA_TIME_SCALE). A modelled (virtual) duration `d` lasts `d / speedup` wall seconds, i.e. `d × scale / speedup`
-scaled seconds; `speedup` defaults to the time scale, so with the scale set the engine's virtual seconds *are* the
-scaled seconds every service measures (prefill_s, ttft_s, e2e_s, tokens/s).
+Time. Every clock reading and sleep goes through the backend's `Clock` (`services.runtime.clock`: scaled seconds
+= wall seconds × the time scale), which the agent shares. A modelled (virtual) duration `d` lasts `d / speedup` wall
+seconds, i.e. `d × scale / speedup` scaled seconds; `speedup` defaults to the time scale, so with the scale set the
+engine's virtual seconds *are* the scaled seconds every service measures (prefill_s, ttft_s, e2e_s, tokens/s).
 
 The engine loop plans a step, waits its modelled duration, applies it and wakes the streams of the sequences that
 produced tokens. Waits are paced against a deadline carried from step to step, so Python overhead and late
@@ -16,7 +16,7 @@ KV transfer (decode side) is a wait of `kv_transfer_time_s` outside the step loo
 data while the engine keeps stepping.
 
 KV handed to a decode engine is named by `kv_transfer_params = {"sim_engine": <engine>, "sim_expires_s": <Unix
-time, scaled seconds (clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` virtual
+time, scaled seconds (Clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` virtual
 seconds (vLLM's NIXL connector frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by
 default); a decode that comes later finds it gone (`KvUnavailable`).
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 from collections.abc import AsyncIterator
 
 from proto import DecodeHandoff, GenerateRequest
@@ -48,8 +47,8 @@ from services.engine_agent.backends.sim_scheduler import (
     output_end,
 )
 from services.engine_agent.backends.sim_tokens import QWEN3_VOCAB_SIZE, SimTokens
-from services.runtime import clock
 from services.runtime import perf_model as pm
+from services.runtime.clock import Clock, scale_from_env
 from services.runtime.logging import get_logger
 from services.runtime.perf_model import ModelProfile
 
@@ -61,19 +60,17 @@ DEFAULT_SPEEDUP = (
 # of Python on a loaded machine) is a small fraction of it, short enough to delay an arrival by little.
 DEFAULT_COALESCE_WALL_S = 0.005
 MAX_LAG_WALL_S = 0.1  # the engine loop catches up at most this far behind its deadline (a stalled event loop)
-_TIME_SCALE_ENV = "PRORSA_TIME_SCALE"  # the variable `services.runtime.clock.time_scale` reads
 
 
-def resolve_speedup(speedup: float | None, engine_id: str = "") -> float:
-    """The speed-up to run at: `speedup` if given (warning when $PRORSA_TIME_SCALE is set and differs: the engine's
-    virtual seconds then differ from the scaled seconds other services measure), else the time scale if set, else
-    `DEFAULT_SPEEDUP`. Raises ValueError if the time scale is not a number."""
-    scale_set = bool(os.environ.get(_TIME_SCALE_ENV))
+def resolve_speedup(speedup: float | None, time_scale: float | None, engine_id: str = "") -> float:
+    """The speed-up to run at: `speedup` if given (warning when a time scale is set and differs: the engine's
+    virtual seconds then differ from the scaled seconds other services measure), else `time_scale` if set (not
+    None), else `DEFAULT_SPEEDUP`."""
     if speedup is None:
-        return clock.time_scale() if scale_set else DEFAULT_SPEEDUP
-    if scale_set and not math.isclose(speedup, clock.time_scale(), rel_tol=1e-9):
+        return DEFAULT_SPEEDUP if time_scale is None else time_scale
+    if time_scale is not None and not math.isclose(speedup, time_scale, rel_tol=1e-9):
         get_logger("engine_agent", engine_id or "sim").warning(
-            "speedup_differs_from_time_scale", speedup=speedup, time_scale=clock.time_scale()
+            "speedup_differs_from_time_scale", speedup=speedup, time_scale=time_scale
         )
     return speedup
 
@@ -95,10 +92,17 @@ class SimBackend:
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         weight_update_s: float | None = None,
         coalesce_wall_s: float = DEFAULT_COALESCE_WALL_S,
+        clock: Clock | None = None,
     ) -> None:
-        """`speedup`: virtual seconds per wall second (None: see `resolve_speedup`). `coalesce_wall_s`: wall time
-        one coalesced block of decode steps may last (0: step one at a time). Raises ValueError on bad values."""
-        speedup = resolve_speedup(speedup, engine_id)
+        """`speedup`: virtual seconds per wall second (None: see `resolve_speedup`). `clock`: the scaled clock
+        (None: $PRORSA_TIME_SCALE's, read now; unset, it sets no speed-up). `coalesce_wall_s`: wall time one
+        coalesced block of decode steps may last (0: step one at a time). Raises ValueError on bad values."""
+        if clock is None:
+            scale = scale_from_env()  # None: no scale chosen, the default speed-up applies
+            clock = Clock(1.0 if scale is None else scale)
+        else:
+            scale = clock.time_scale
+        speedup = resolve_speedup(speedup, scale, engine_id)
         if speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         if max_model_len < 2:
@@ -107,6 +111,7 @@ class SimBackend:
             raise ValueError(f"coalesce_wall_s must be >= 0, got {coalesce_wall_s}")
         self.profile = profile
         self.engine_id = engine_id
+        self.clock = clock
         self.speedup = speedup
         self.coalesce_wall_s = coalesce_wall_s
         self.max_model_len = max_model_len
@@ -228,31 +233,31 @@ class SimBackend:
     async def _engine_loop(self) -> None:
         while True:
             self._wake.clear()
-            step = self.sched.plan(clock.monotonic_s(), self.coalesce_wall_s * self.speedup)
+            step = self.sched.plan(self.clock.monotonic_s(), self.coalesce_wall_s * self.speedup)
             if step is None:
                 self._deadline_s = None  # idle: the next busy period starts from its own arrival
                 await self._wake.wait()
                 continue
             await self._pace(step.duration_s)
-            for seq in self.sched.apply(step, clock.monotonic_s()):
+            for seq in self.sched.apply(step, self.clock.monotonic_s()):
                 self._notify(seq)
 
     async def _pace(self, virtual_s: float) -> None:
         """Wait until the deadline moved on by `virtual_s` of modelled time, counted from the previous step's
         deadline while busy (so overhead is absorbed), never from further back than `MAX_LAG_WALL_S`."""
-        now = clock.monotonic_s()
+        now = self.clock.monotonic_s()
         start = now
         if self._deadline_s is not None:
-            start = max(self._deadline_s, now - MAX_LAG_WALL_S * clock.time_scale())
+            start = max(self._deadline_s, now - MAX_LAG_WALL_S * self.clock.time_scale)
         self._deadline_s = start + self._scaled_s(virtual_s)
-        await clock.sleep_s(self._deadline_s - now)  # <= 0 when behind: still yields to the streams
+        await self.clock.sleep_s(self._deadline_s - now)  # <= 0 when behind: still yields to the streams
 
     def _scaled_s(self, virtual_s: float) -> float:
         """Scaled seconds that `virtual_s` modelled seconds last (equal when speedup = time scale)."""
-        return virtual_s * clock.time_scale() / self.speedup
+        return virtual_s * self.clock.time_scale / self.speedup
 
     async def _sleep_virtual(self, virtual_s: float) -> None:
-        await clock.sleep_s(self._scaled_s(virtual_s))
+        await self.clock.sleep_s(self._scaled_s(virtual_s))
 
     def _notify(self, seq: SimSeq) -> None:
         if seq.mode == "prefill":
@@ -333,7 +338,7 @@ class SimBackend:
             first_logprob=logprob if seq.want_logprobs else None,
             kv_transfer_params={
                 "sim_engine": self.engine_id,
-                "sim_expires_s": clock.now_s() + self._scaled_s(self.kv_ttl_s),
+                "sim_expires_s": self.clock.now_s() + self._scaled_s(self.kv_ttl_s),
             },
             new_tokens=seq.prefill_info.new_tokens,
             cached_tokens=seq.prefill_info.cached_tokens,
@@ -345,7 +350,7 @@ class SimBackend:
     def _check_kv(self, handoff: DecodeHandoff) -> None:
         params = handoff.kv_transfer_params
         expires = params.get("sim_expires_s") if isinstance(params, dict) else None
-        now_s = clock.now_s()
+        now_s = self.clock.now_s()
         if isinstance(expires, int | float) and not isinstance(expires, bool) and now_s > expires:
             raise KvUnavailable(
                 f"KV of {handoff.request.request_id} on {handoff.prefill_engine} expired "

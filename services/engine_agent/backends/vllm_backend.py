@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -39,6 +38,7 @@ from services.engine_agent.backend import (
     RequestAborted,
 )
 from services.engine_agent.backends.vllm_engine import EngineChunk, VllmEngine, VllmEngineConfig, request_seed
+from services.runtime.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,10 @@ class VllmBackend:
         *,
         role: str = "mixed",
         role_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        """`clock`: the scaled clock handoffs are stamped on (None: $PRORSA_TIME_SCALE's, read now)."""
+        self.clock = clock if clock is not None else Clock.from_env()
         self.engine = VllmEngine(config)
         self.max_model_len = config.max_model_len
         self.role = role
@@ -237,7 +240,9 @@ class VllmBackend:
         if handoff.kv_transfer_params is None:
             raise KvUnavailable(f"handoff {handoff.request.request_id} names no KV")
         lease_s = self.engine.config.kv_lease_s
-        if handoff.handed_off_s > 0 and time.time() - handoff.handed_off_s > _LEASE_SAFETY * lease_s:
+        # `handed_off_s` is a stamp of the shared scaled clock; the lease is vLLM's, in wall seconds.
+        age_wall_s = self.clock.wall_s(self.clock.now_s() - handoff.handed_off_s)
+        if handoff.handed_off_s > 0 and age_wall_s > _LEASE_SAFETY * lease_s:
             raise KvUnavailable(
                 f"handoff {handoff.request.request_id} is older than {_LEASE_SAFETY:.0%} of the {lease_s} s KV lease"
             )

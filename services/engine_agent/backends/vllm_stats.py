@@ -50,7 +50,7 @@ class EngineStatsBox:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
-        self.updated_monotonic_s: float | None = None
+        self.updated_monotonic_s: float | None = None  # wall: the age of vLLM's stats, compared with no stamp
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
