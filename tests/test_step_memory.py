@@ -147,12 +147,13 @@ def step_view(
     shape: TurnShape,
     n: int = 64,
     split_slowdown: float = 1.0,
+    mixed_slowdown: float = 1.0,
 ) -> ClusterView:
     """Step `step`'s n trajectories running `shape` as the model says they would (Little: turns per second =
     N / turn time, and as many in a tool call as the tool time implies) — or, under a split, `split_slowdown`
-    times slower than it says."""
+    times slower than it says (colocated: `mixed_slowdown` times)."""
     split = Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed"))
-    slowdown = 1.0 if split.mixed else split_slowdown
+    slowdown = mixed_slowdown if split.mixed else split_slowdown
     rate = n / (slowdown * turn_time(split, shape, n, make_capacity("deepseek-v3.2")).turn_s)
     snap = population(step, n, turn=turn, ts=now, in_tool=round(rate * shape.tool_s))
     return ClusterView(
@@ -180,11 +181,26 @@ def apply(roles: list[str], plan: Plan) -> None:
 
 
 def run_step(
-    policy, roles: list[str], step: int, t0: float, shape: TurnShape, ticks: int = 12, slowdown: float = 1.0
+    policy,
+    roles: list[str],
+    step: int,
+    t0: float,
+    shape: TurnShape,
+    ticks: int = 12,
+    slowdown: float = 1.0,
+    mixed_slowdown: float = 1.0,
 ):  # type: ignore[no-untyped-def]
     plans = []
     for k in range(ticks):
-        view = step_view(roles, t0 + 5.0 * k, step, 0 if k == 0 else 3, shape, split_slowdown=slowdown)
+        view = step_view(
+            roles,
+            t0 + 5.0 * k,
+            step,
+            0 if k == 0 else 3,
+            shape,
+            split_slowdown=slowdown,
+            mixed_slowdown=mixed_slowdown,
+        )
         plan = policy.decide(view)
         if plan is not None:
             plans.append((k, plan))
@@ -192,9 +208,17 @@ def run_step(
     return plans
 
 
-def sync_step(policy, roles: list[str], step: int, t0: float, shape: TurnShape, slowdown: float = 1.0):  # type: ignore[no-untyped-def]
+def sync_step(  # type: ignore[no-untyped-def]
+    policy,
+    roles: list[str],
+    step: int,
+    t0: float,
+    shape: TurnShape,
+    slowdown: float = 1.0,
+    mixed_slowdown: float = 1.0,
+):
     """A synchronous step, then the trainer's turn (one decision with nobody live, tick "idle")."""
-    plans = run_step(policy, roles, step, t0, shape, slowdown=slowdown)
+    plans = run_step(policy, roles, step, t0, shape, slowdown=slowdown, mixed_slowdown=mixed_slowdown)
     plan = policy.decide(idle_view(roles, t0 + 60.0))
     if plan is not None:
         plans.append(("idle", plan))
@@ -319,3 +343,37 @@ def test_the_expected_next_mix_is_the_one_that_followed_last_time() -> None:
     memory.step_started(population(1, 4, task="math"))
     memory.step_started(population(2, 4, task="general"))
     assert memory.expected_next() == ("math",)  # general was followed by math last time
+
+
+def test_a_record_the_model_missed_leads_to_a_try_only_once_the_coming_steps_mix_is_known() -> None:
+    # Colocation runs 1.5x slower than the model says, so no step's record is explained. After the first step
+    # nothing has followed a general step yet: the next step's mix is a guess, and a try on it could land on
+    # another task. After the second, a general step is known to follow a general one: the try is an
+    # experiment on the mix it was chosen for, measured by the step it runs.
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
+    policy.error_weight = 0.0
+    roles = ["mixed"] * 8
+    assert sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY, mixed_slowdown=1.5) == []
+    assert not policy.memory.next_known()
+    tried = sync_step(policy, roles, 1, 100.0, PREFILL_HEAVY, mixed_slowdown=1.5)
+    assert policy.memory.next_known()
+    assert [k for k, _ in tried] == ["idle"] and "unmeasured split" in tried[0][1].reason
+    assert "mixed" not in roles
+
+
+def test_a_held_step_is_released_once_it_runs_off_the_model() -> None:
+    # The replay sets a split for the second step and holds it. Where that split really runs as the model says,
+    # the hold stands through the step; where it runs 3x slower, the hold ends once a turn per live trajectory
+    # has run there, and the decisions within the step take over.
+    for slowdown, held in ((1.0, True), (3.0, False)):
+        policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+        policy.prior_model_error = 10.0  # the decisions within the step would not move: only the hold is seen
+        policy.error_weight = 0.0
+        roles = ["mixed"] * 8
+        assert [k for k, _ in sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY)] == ["idle"]
+        assert "mixed" not in roles
+        run_step(policy, roles, 1, 100.0, PREFILL_HEAVY, ticks=1)
+        assert policy._step_held  # the step starts on the replayed split, held
+        run_step(policy, roles, 1, 105.0, PREFILL_HEAVY, ticks=24, slowdown=slowdown)
+        assert policy._step_held is held

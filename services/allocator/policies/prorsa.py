@@ -34,9 +34,11 @@ role with demand and no engine is repaired at once. Start-up is colocated (`init
 
 Between RL steps (`step_memory.py`): while the cluster idles before a synchronous step, the split for the next step
 comes from a replay of the last step of its task mix through the model, each split priced with the model's bias
-measured on it; a split never measured is tried only then, and only on a record the model explained within
-`margin`. At a step's live start (an asynchronous step, or a mix other than the one expected) only measured splits
-are moved to. A step whose record the model explained holds its split: the decisions above wait for the next step.
+measured on it; a split never measured is tried only then, and only where the coming step's mix is known (it
+followed the last one before) or the model explained the record within `margin`. At a step's live start (an
+asynchronous step, or a mix other than the one expected) only measured splits are moved to. A step whose record
+the model explained holds its split while the step runs as the model says: the decisions above wait for the next
+step, unless the step so far is off the model by more than `margin`.
 
 Bad input (NaN or negative figures, an empty view) is refused with a PolicyError that the caller logs and counts.
 """
@@ -224,7 +226,14 @@ class ProrsaPolicy(AllocatorPolicy):
             )
         error = self._model_error(view, current, shape, n_live)
         if self._step_held:
-            return None
+            # The hold rests on the model explaining this step as it explained the last one of its mix. Once a
+            # turn per live trajectory has run here and the step so far is off the model by more than `margin`
+            # (the congestion of an asynchronous step's overlap, a split the replay priced from an empty queue),
+            # the decisions within the step take over: they see the queue the cluster really holds.
+            so_far = self.memory.running(current)
+            if so_far is None or so_far[0] < n_live or abs(math.log(so_far[1])) <= self.margin:
+                return None
+            self._step_held = False
         if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
             return None
         if self._turns_finished < n_live or self._turns_seen < 3 * n_live:
@@ -257,10 +266,16 @@ class ProrsaPolicy(AllocatorPolicy):
         measured = self.memory.measured(mix)
 
         def bias(c: Split) -> float:
-            # its own where it ran a step of this mix, else the nearest measured split's (the running one first)
-            if not measured:
+            # Its own where it ran a step of this mix, else the nearest measured one's of the same branch of the
+            # model (the running one first), else none (1.0). Neighbouring splits share most of the bias: the same
+            # queueing network with a station moved. Colocation is another network (turn_model's `_colocated`):
+            # a split's bias says nothing about it, nor its bias about a split's — at 512 trajectories per step on
+            # deepseek-v3.2 the splits ran 2x slower than modelled (congested prefill) while colocation did not,
+            # and colocation priced with their bias lost every replay to them.
+            kin = [m for m in measured if isinstance(m, Split) and (m.mixed > 0) == (c.mixed > 0)]
+            if not kin:
                 return 1.0
-            near = min(measured, key=lambda m: (_distance(m, c), m != current))  # type: ignore[arg-type]
+            near = min(kin, key=lambda m: (_distance(m, c), m != current))
             return measured[near]
 
         def cost(c: Split) -> float:
@@ -273,8 +288,12 @@ class ProrsaPolicy(AllocatorPolicy):
         error = model_error(record)
         hold = error <= self.margin
         # A split that never ran a step of this mix is priced by the model alone (and a neighbour's bias): it is
-        # tried only on a record the model explained within `margin`, and only while the cluster idles between
-        # steps, where a wrong guess costs one step and nothing more. Moved while a step's first prompts arrive,
+        # tried only while the cluster idles between steps, where a wrong guess costs one step and nothing more,
+        # and only where the try will measure what it was chosen for — the coming step is of this mix because
+        # one followed the last step of it before (an experiment: the step measures the split's own bias, and the
+        # next replay compares measured costs), or the model explained this record within `margin` (then its
+        # ranking is trusted even on the guess that the next step repeats this mix; a guess on a record it did
+        # not explain put math's best split under a general step on the alternating mix). Moved while a step's first prompts arrive,
         # the movers' switch sends those prompts to the engines that serve meanwhile, and a trajectory's later
         # turns follow its cache there (measured: profile:general · mimo-v2.5-pro at staleness 2, a move back to
         # colocation at a step's start left that step 17 % slower than the same step colocated throughout).
@@ -291,7 +310,7 @@ class ProrsaPolicy(AllocatorPolicy):
         current_j = scored[current]
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
-        if best not in measured and not hold:
+        if best not in measured and not hold and not (idle and self.memory.next_known()):
             return None, hold
         if best == current or not (scored[best] < current_j * (1.0 - self.margin)):
             return None, hold

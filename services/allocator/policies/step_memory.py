@@ -24,8 +24,9 @@ that ran most of it, the ratio of the turn-seconds really lived — N integrated
 however noisy each window was — to those the model projected (`ratio`; `model_error` is the same over the whole
 step, whatever ran). The replay scales each candidate's cost by its own ratio where that split has run a step of
 this mix, else by the ratio of the nearest split that has (the model's bias moves with the split: neighbours share
-most of it) — and a split never measured is tried only on a record the model explained within the margin. A
-wrong first move thus costs one step: that step measures the split, and the next replay compares measured costs.
+most of it) — and a split never measured is tried only where the try measures what it was chosen for: the coming
+step's mix is known (`next_known`), or the model explained the record within the margin. A wrong first move thus
+costs one step: that step measures the split, and the next replay compares measured costs.
 
 Between synchronous steps the cluster idles while the trainer trains: nobody is live, the next step's mix is
 (most likely) the one that followed this mix last time (`expected_next`), and a move costs nothing at all, not even
@@ -126,6 +127,10 @@ class StepMemory:
             return None
         return self._follows.get(self._last_mix, self._last_mix)
 
+    def next_known(self) -> bool:
+        """A step of the last step's mix has been followed by another step before (`expected_next` is seen)."""
+        return self._last_mix is not None and self._last_mix in self._follows
+
     def record(
         self, turns: float, shape: TurnShape, live: float, lived_s: float, projected_s: float, split: Hashable
     ) -> None:
@@ -138,6 +143,14 @@ class StepMemory:
             sums[0] += turns
             sums[1] += lived_s
             sums[2] += projected_s
+
+    def running(self, split: Hashable) -> tuple[float, float] | None:
+        """(turns, lived / projected) of the running step so far under `split`: how well the model explains the
+        step while it runs; None before it has run a turn there."""
+        sums = self._split_sums.get(split) if self._mix is not None else None
+        if not sums or sums[0] <= 0 or sums[1] <= 0 or not 0 < sums[2] < math.inf:
+            return None
+        return sums[0], sums[1] / sums[2]
 
     def ratio(self, mix: tuple[str, ...], split: Hashable) -> float | None:
         """Turn-seconds lived / projected over the last step of `mix` that `split` ran (most of): the model's bias
