@@ -159,6 +159,7 @@ PURE_MODULES = [
     "role_state.py",
     "pull_capacity.py",
     "jobs.py",
+    "job_core.py",
     "outputs.py",
     "backends/sim_scheduler.py",
     "backends/sim_tokens.py",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.runtime.bus import namespace_from_env, nats_url_from_env
-from services.runtime.credentials import add_credential_arguments, credentials_from_args
+from services.runtime.bus import BUS_ERRORS, namespace_from_env, nats_url_from_env
+from services.runtime.credentials import CredentialsError, add_credential_arguments, credentials_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         replies = asyncio.run(
             gather_health(url, namespace_from_env(args.namespace), args.wait_s, credentials_from_args(args))
         )
-    except Exception as exc:  # no server there: say so plainly
+    except (*BUS_ERRORS, CredentialsError) as exc:  # no server there, or no way in: say so plainly
         print(f"prorsa status: cannot reach NATS at {url}: {exc!r}")
         return 1
     print(format_health(replies))

@@ -56,6 +56,7 @@ from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError
 from services.allocator.registry import make_policy, policy_names
 from services.allocator.switch_coordinator import SwitchCoordinator
+from services.runtime.bus import BUS_ERRORS
 from services.runtime.clock import Clock
 from services.runtime.service import Service
 
@@ -367,7 +368,7 @@ class AllocatorService(Service):
             info = await asyncio.wait_for(
                 self.js.stream_info(self.subjects.work_stream, subjects_filter=f"{ns}.work.>"), timeout=1.0
             )
-        except Exception as exc:  # the decision goes on without queue depth; engine stats still carry theirs
+        except BUS_ERRORS as exc:  # the decision goes on without queue depth; engine stats still carry theirs
             self.metrics.count_error("queue_depth")
             self.log.debug("queue_depth_failed", error=repr(exc))
             return QueueDepth()
@@ -420,7 +421,7 @@ class AllocatorService(Service):
             reason=reason,
             forecast_ts_s=view.forecast.ts_s if isinstance(view.forecast, DemandForecast) else 0.0,
         )
-        with contextlib.suppress(Exception):  # a publish failure (reconnecting) must not stop the decisions
+        with contextlib.suppress(*BUS_ERRORS):  # a publish failure (reconnecting) must not stop the decisions
             await self.publish(self.subjects.plan, plan)
             self.counters["plans_published"] += 1
         self.domain_metrics.on_plan(plan)

@@ -47,6 +47,7 @@ from services.engine_agent.role_state import (
 from services.engine_agent.runner import JobRunner
 from services.engine_agent.switch_drain import drain_for_switch, hand_off_all
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
+from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
 
 
@@ -196,7 +197,7 @@ class EngineAgent(Service):
         try:
             # A short wait: an event is an observation, and a job waiting on it holds its stream meanwhile.
             await self.js_publish(self.subjects.engine_events(self.engine_id), msg, wait_s=5.0)
-        except Exception as exc:  # the stream is unavailable: the event is lost, the work goes on
+        except BUS_ERRORS as exc:  # the stream is unavailable: the event is lost, the work goes on
             self.metrics.count_error("event_publish")
             self.log.warning("event_publish_failed", message_type=type(msg).__name__, error=repr(exc))
 
@@ -249,9 +250,9 @@ class EngineAgent(Service):
 
     async def _answer(self, ack: RoleSwitchAck, replies: list[str]) -> None:
         for reply in replies:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await self.publish(reply, ack)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             await self.publish(self.subjects.engine_ack(self.engine_id), ack)
 
     # -- weights -------------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class EngineAgent(Service):
         while True:
             stats = self.stats_snapshot()
             self.domain_metrics.observe(stats, self.runner.prefill_new_tokens, self.runner.decode_tokens)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await self.publish(self.subjects.engine_stats(self.engine_id), stats)
             await asyncio.sleep(self.config.stats_interval_s)  # wall cadence, see AgentConfig
 

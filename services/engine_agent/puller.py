@@ -36,7 +36,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.pull_capacity import EngineLimits, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
-from services.runtime.bus import WORK_MAX_DELIVER
+from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class WorkPuller:
         """Unsubscribe the pull subscriptions (before the connection drains: a pull inbox can hold late status
         messages that no fetch will read, and draining would wait for them). Unacked work stays in the stream."""
         for psub in self.subs.values():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await psub.unsubscribe()
         self.subs.clear()
 
@@ -206,7 +206,7 @@ class WorkPuller:
             return 0
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # disconnected, server restarting: back off
+        except BUS_ERRORS as exc:  # disconnected, server restarting: back off
             self.fetch_errors += 1
             self.agent.metrics.count_error("fetch")
             self.agent.log.debug("fetch_failed", error=repr(exc))
@@ -222,7 +222,7 @@ class WorkPuller:
             except Exception as exc:
                 self.agent.metrics.count_error("handler")
                 self.agent.log.exception("admit_failed", subject=m.subject, error=repr(exc))
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*BUS_ERRORS):
                     await m.nak(delay=1.0)
         return len(msgs)
 
@@ -236,12 +236,12 @@ class WorkPuller:
                 msgs = await psub.fetch(self.config.max_fetch, timeout=0.05)
             except (TimeoutError, NatsTimeoutError):
                 return moved
-            except Exception as exc:
+            except BUS_ERRORS as exc:
                 self.agent.log.warning("forward_failed", kind=kind, error=repr(exc))
                 return moved
             for m in msgs:
                 seq = m.metadata.sequence.stream
                 await self.agent.js.publish(target, m.data, headers={"Nats-Msg-Id": f"fwd:{m.subject}:{seq}"})
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*BUS_ERRORS):
                     await m.ack()
                 moved += 1

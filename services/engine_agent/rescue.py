@@ -37,6 +37,7 @@ from nats.js.errors import NotFoundError
 from proto import EngineStats, Message
 from services.engine_agent.pull_capacity import WorkKind
 from services.engine_agent.puller import durable_name
+from services.runtime.bus import BUS_ERRORS
 
 
 @dataclass
@@ -117,7 +118,7 @@ class AddressedRescue:
 
     async def _unbind(self, key: tuple[str, WorkKind]) -> None:
         psub = self.subs.pop(key)
-        with contextlib.suppress(Exception):  # best effort: the connection may be gone already
+        with contextlib.suppress(*BUS_ERRORS):  # best effort: the connection may be gone already
             await psub.unsubscribe()
 
     async def _forward(self, engine_id: str, kind: WorkKind) -> None:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
+
+from nats.errors import Error as NatsError
 
 from proto import (
     DecodeHandoff,
@@ -37,12 +38,12 @@ from proto import (
 )
 from services.engine_agent import outputs
 from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
+from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import Ewma, HeldWork, kv_reservation_tokens
+from services.runtime.bus import BUS_ERRORS
 from services.runtime.clock import Clock
 
-MAX_DONE_KEYS = 100_000  # (request_id, stream sequence) pairs remembered for de-duplication
-MAX_DELIVERIES_ON_ERROR = 3  # an engine error naks the work for redelivery this many times, then fails it
 DEFAULT_S_PER_TOKEN = 0.05  # inter-token time (scaled seconds) assumed before any has been observed
 
 
@@ -78,7 +79,7 @@ class JobRunner:
         self.io = io
         self.chunk_interval_s = chunk_interval_s
         self.jobs: dict[str, Job] = {}
-        self._done: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.core = JobCore()  # de-duplication and the decisions (job_core.py); this class executes them
         self.est_prompt_tokens = Ewma(2048.0)
         self.est_kv_tokens = Ewma(4096.0)
         self.freed = (
@@ -97,25 +98,26 @@ class JobRunner:
         """Take one pulled message: de-duplicate, check, and start its job."""
         request = work.request if isinstance(work, DecodeHandoff) else work
         seq = _stream_seq(msg)
-        key = (request.request_id, seq)
-        if key in self._done:
-            self.duplicates += 1
-            await _quietly(msg.ack())
-            return
         running = self.jobs.get(request.request_id)
-        if running is not None:
-            if running.stream_seq == seq:
-                running.msg = msg  # redelivered while running: ack the newest delivery
-            else:
-                await _quietly(msg.nak(delay=1.0))
-            return
-        problem = request_problem(request, self.io.backend.max_model_len)
-        if problem:
-            await self.fail_bad_request(request, msg, problem)
-            return
-        job = self._new_job(work, request, msg, seq)
-        self.jobs[request.request_id] = job
-        job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
+        problem = "" if running is not None else request_problem(request, self.io.backend.max_model_len)
+        decision = self.core.admit(
+            request.request_id, seq, running.stream_seq if running is not None else None, problem
+        )
+        match decision:
+            case Ack():
+                self.duplicates += 1
+                await _quietly(msg.ack())
+            case Adopt():
+                assert running is not None
+                running.msg = msg
+            case Nak(delay_s=delay_s):
+                await _quietly(msg.nak(delay=delay_s))
+            case Fail(kind=kind, error=error):
+                await self._failed(request, msg, error, request.next_chunk_index, kind=kind)
+            case Start():
+                job = self._new_job(work, request, msg, seq)
+                self.jobs[request.request_id] = job
+                job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
 
     def _new_job(
         self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int
@@ -335,50 +337,36 @@ class JobRunner:
 
     async def _complete(self, job: Job, outcome: str) -> None:
         job.outcome = outcome  # type: ignore[assignment]
-        self._done[(job.request_id, job.stream_seq)] = None
-        while len(self._done) > MAX_DONE_KEYS:
-            self._done.popitem(last=False)
+        self.core.completed(job.request_id, job.stream_seq)
         await _quietly(job.msg.ack())
 
     # -- handing on and failing ----------------------------------------------------------------------------------
 
     async def _hand_on(self, job: Job, to_prefill: bool = False) -> None:
         """Put the work back on a queue (see the module docstring), then ack the original message."""
-        subjects = self.io.subjects
         if self.jobs.get(job.request_id) is job:
             del self.jobs[job.request_id]  # so this engine may take the handed-on copy at once
-        if job.streamed_ids:
-            moved = outputs.migrated_request(job)
-            await self.io.js_publish(
-                subjects.prefill_work_any, moved, msg_id=outputs.hand_on_msg_id(job, moved)
-            )
-            outcome = "migrated"
-        else:
-            msg_id = outputs.hand_on_msg_id(job, None)
-            if job.handoff is not None and not to_prefill:
-                await self.io.js_publish(subjects.decode_work_any, job.handoff, msg_id=msg_id)
-            else:
-                await self.io.js_publish(subjects.prefill_work_any, job.request, msg_id=msg_id)
-            outcome = "requeued"
+        publish = self.core.hand_on(job, self.io.subjects, to_prefill)
+        await self.io.js_publish(publish.subject, publish.message, msg_id=publish.msg_id)
         self.io.log.info(
-            "work_handed_on", request_id=job.request_id, outcome=outcome, streamed=len(job.streamed_ids)
+            "work_handed_on",
+            request_id=job.request_id,
+            outcome=publish.outcome,
+            streamed=len(job.streamed_ids),
         )
-        await self._complete(job, outcome)
+        await self._complete(job, publish.outcome)
 
     async def _engine_error(self, job: Job, exc: Exception) -> None:
         """The engine (or this code) failed a request: redeliver it a few times, then fail it for good."""
         self.io.metrics.count_error("engine")
         self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
-        deliveries = _num_delivered(job.msg)
-        if deliveries < MAX_DELIVERIES_ON_ERROR:
-            job.outcome = "retried"
-            await _quietly(job.msg.nak(delay=1.0))
-            return
-        await self._failed(job.request, job.msg, f"engine error: {exc!r}", job.next_index, kind="engine")
-        job.outcome = "failed"
-
-    async def fail_bad_request(self, request: GenerateRequest, msg: Any, problem: str) -> None:
-        await self._failed(request, msg, problem, request.next_chunk_index, kind="invalid_request")
+        match self.core.engine_error(_num_delivered(job.msg), repr(exc)):
+            case Nak(delay_s=delay_s):
+                job.outcome = "retried"
+                await _quietly(job.msg.nak(delay=delay_s))
+            case Fail(kind=kind, error=error):
+                await self._failed(job.request, job.msg, error, job.next_index, kind=kind)
+                job.outcome = "failed"
 
     async def _failed(self, request: GenerateRequest, msg: Any, error: str, index: int, kind: str) -> None:
         """RequestFailed event, a final error chunk to the client, ErrorReply on the errors subject, term()."""
@@ -391,7 +379,7 @@ class JobRunner:
             retriable=False,
         )
         if valid_reply_subject(request.reply_to):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await self.io.publish(
                     request.reply_to, outputs.error_chunk(request, index, error, self.io.engine_id)
                 )
@@ -435,18 +423,18 @@ class JobRunner:
 def _stream_seq(msg: Any) -> int:
     try:
         return int(msg.metadata.sequence.stream)
-    except Exception:  # not a JetStream message (tests feeding core messages): no redelivery to recognise
-        return -1
+    except (NatsError, AttributeError):
+        return -1  # not a JetStream message (tests feeding core messages): no redelivery to recognise
 
 
 def _num_delivered(msg: Any) -> int:
     try:
         return int(msg.metadata.num_delivered)
-    except Exception:
+    except (NatsError, AttributeError):
         return 1
 
 
 async def _quietly(aw: Any) -> None:
     """Ack/nak/in_progress: best effort. Lost, they only cause a redelivery, which de-duplication absorbs."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(*BUS_ERRORS):
         await aw

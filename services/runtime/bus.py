@@ -43,6 +43,12 @@ from nats.js.errors import (
 from proto import Subjects
 from services.runtime.credentials import BusCredentials, CredentialsError
 
+# What talking to the bus raises when a connection is gone, the server restarts or a peer stopped listening:
+# nats-py's errors (all derive from nats.errors.Error), the socket's (OSError) and a wait that ran out. The places
+# that publish, ack, fetch or unsubscribe on a best-effort basis catch these and nothing else: any other exception
+# there is our bug, and it must surface.
+BUS_ERRORS: tuple[type[Exception], ...] = (nats.errors.Error, OSError, TimeoutError)
+
 DEFAULT_EVENTS_MAX_AGE_S = 6 * 3600.0
 # Deliveries of one message to a consumer at most (JetStream's `max_deliver`): a message that keeps failing is not
 # redelivered forever. Work counts every redelivery after an engine died holding it, so its bound leaves room for

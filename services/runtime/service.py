@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 
 import proto
 from proto import ErrorReply, HealthReply, HealthRequest, Message, ProtoError, Subjects
-from services.runtime.bus import connect, ensure_streams, is_queue_full, js_publish_patiently
+from services.runtime.bus import BUS_ERRORS, connect, ensure_streams, is_queue_full, js_publish_patiently
 from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
@@ -140,7 +140,7 @@ class Service:
             await self.teardown()
         finally:
             if self.nc is not None and not self.nc.is_closed:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*BUS_ERRORS):
                     await asyncio.wait_for(self.nc.drain(), timeout=5)
                 if not self.nc.is_closed:
                     await self.nc.close()
@@ -218,10 +218,10 @@ class Service:
             ts_s=self.clock.now_s(),
         )
         target = msg.reply if msg.reply and not _is_js(msg) else self.subjects.errors
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             await self.publish(target, reply)
         if _is_js(msg):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await msg.term()
 
     async def subscribe(self, subject: str, handler: Handler, expected: Any = None, queue: str = "") -> None:
@@ -262,7 +262,7 @@ class Service:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # disconnected, server restarting: back off and retry
+            except BUS_ERRORS as exc:  # disconnected, server restarting: back off and retry
                 self.metrics.count_error("fetch")
                 self.log.debug("fetch_failed", error=repr(exc))
                 await asyncio.sleep(0.25)
@@ -276,7 +276,7 @@ class Service:
                 except Exception as exc:
                     self.metrics.count_error("handler")
                     self.log.exception("handler_failed", subject=m.subject, error=repr(exc))
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(*BUS_ERRORS):
                         await m.nak(delay=1.0)
 
     # --- health and loop lag ----------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class Service:
             ts_s=self.clock.now_s(),
             details=details,
         )
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             await self.publish(msg.reply, reply)
 
     async def _probe_loop_lag(self, interval_s: float = 0.5) -> None:

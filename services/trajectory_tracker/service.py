@@ -45,7 +45,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from proto import ENGINE_EVENT_MESSAGES, LIFECYCLE_MESSAGES, ErrorReply, Message
-from services.runtime.bus import EVENTS_MAX_DELIVER
+from services.runtime.bus import BUS_ERRORS, EVENTS_MAX_DELIVER
 from services.runtime.clock import Clock
 from services.runtime.service import Service
 from services.trajectory_tracker import checkpoint
@@ -200,7 +200,7 @@ class TrackerService(Service):
     async def _on_event(self, event: Message, msg: Msg) -> None:
         meta = msg.metadata
         if meta.sequence.stream <= self.last_stream_seq:  # a redelivery (a lost ack): already in the state
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*BUS_ERRORS):
                 await msg.ack()
             return
         # Storage time in the stream (identical on every replay), on the shared scaled clock.
@@ -212,7 +212,7 @@ class TrackerService(Service):
             self.caught_up = True
         for r in rejections:
             await self._report(r, msg.subject)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             await msg.ack()
 
     async def _report(self, r: Rejection, subject: str) -> None:
@@ -223,7 +223,7 @@ class TrackerService(Service):
         reply = ErrorReply(
             kind=r.kind, error=r.detail, subject=subject, service=self.instance_id, ts_s=self.clock.now_s()
         )
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             await self.publish(self.subjects.errors, reply)
 
     async def _snapshot_loop(self) -> None:
@@ -237,7 +237,7 @@ class TrackerService(Service):
 
     async def _check_caught_up(self) -> None:
         """Caught up when the consumer has nothing pending (covers a replay whose last messages were rejected)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*BUS_ERRORS):
             info = await self._psub.consumer_info()
             if info.num_pending == 0:
                 self.caught_up = True
