@@ -226,12 +226,19 @@ def sync_step(  # type: ignore[no-untyped-def]
     return plans
 
 
+def replay_only_policy(spec: str = "prorsa"):  # type: ignore[no-untyped-def]
+    """`spec` on deepseek-v3.2 whose decisions within a step never move (an untested model's error, never
+    measured down): only the step memory's replays act."""
+    policy = make_policy(spec, 8, profile="deepseek-v3.2")
+    policy.prior_model_error = 10.0
+    policy.error_weight = 0.0
+    return policy
+
+
 def test_the_next_step_of_a_prefill_heavy_mix_starts_on_the_replayed_split() -> None:
     # The model's prior error blocks every mid-step move, so the first step stays colocated and only the replay
     # can move: while the cluster idles after it, to a split (DP attention, long observations).
-    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0
-    policy.error_weight = 0.0
+    policy = replay_only_policy()
     roles = ["mixed"] * 8
     plans = sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY)
     assert [k for k, _ in plans] == ["idle"] and "mixed" not in roles
@@ -242,9 +249,7 @@ def test_the_next_step_of_a_prefill_heavy_mix_starts_on_the_replayed_split() -> 
 def test_a_split_never_measured_is_not_tried_while_a_step_is_arriving() -> None:
     # Asynchronous steps follow each other with no idle spell: a guess moved while the first prompts arrive
     # would send them to the few engines that serve during the switch.
-    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0
-    policy.error_weight = 0.0
+    policy = replay_only_policy()
     roles = ["mixed"] * 8
     for step in range(3):
         assert run_step(policy, roles, step, 100.0 * step, PREFILL_HEAVY) == []
@@ -271,9 +276,7 @@ def test_a_move_to_a_split_the_model_is_wrong_about_is_measured_and_undone_at_th
     # Splits really run 3x slower than the model says; colocation runs as it says. The model's first step says
     # nothing about splits, so the next step tries one; that step measures it, and the replay before the step
     # after, with the measured bias, goes back.
-    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
-    policy.error_weight = 0.0
+    policy = replay_only_policy()
     roles = ["mixed"] * 8
     first = sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY, slowdown=3.0)
     assert [k for k, _ in first] == ["idle"] and "unmeasured split" in first[0][1].reason
@@ -297,9 +300,7 @@ def test_a_decode_heavy_mix_keeps_colocation_at_the_step_start() -> None:
 
 
 def test_the_step_start_can_be_switched_off() -> None:
-    policy = make_policy("prorsa:step_start=0", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0
-    policy.error_weight = 0.0
+    policy = replay_only_policy("prorsa:step_start=0")
     roles = ["mixed"] * 8
     for step in range(3):
         assert run_step(policy, roles, step, 100.0 * step, PREFILL_HEAVY) == []
@@ -320,9 +321,7 @@ def idle_view(roles: list[str], now: float) -> ClusterView:
 
 
 def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster_idles() -> None:
-    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
-    policy.error_weight = 0.0
+    policy = replay_only_policy()
     roles = ["mixed"] * 8
     assert run_step(policy, roles, 0, 0.0, PREFILL_HEAVY) == []
     plan = policy.decide(idle_view(roles, 70.0))
@@ -350,9 +349,7 @@ def test_a_record_the_model_missed_leads_to_a_try_only_once_the_coming_steps_mix
     # nothing has followed a general step yet: the next step's mix is a guess, and a try on it could land on
     # another task. After the second, a general step is known to follow a general one: the try is an
     # experiment on the mix it was chosen for, measured by the step it runs.
-    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-    policy.prior_model_error = 10.0  # no mid-step moves: only the replays act
-    policy.error_weight = 0.0
+    policy = replay_only_policy()
     roles = ["mixed"] * 8
     assert sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY, mixed_slowdown=1.5) == []
     assert not policy.memory.next_known()
@@ -367,9 +364,7 @@ def test_a_held_step_is_released_once_it_runs_off_the_model() -> None:
     # the hold stands through the step; where it runs 3x slower, the hold ends once a turn per live trajectory
     # has run there, and the decisions within the step take over.
     for slowdown, held in ((1.0, True), (3.0, False)):
-        policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
-        policy.prior_model_error = 10.0  # the decisions within the step would not move: only the hold is seen
-        policy.error_weight = 0.0
+        policy = replay_only_policy()  # the decisions within the step would not move: only the hold is seen
         roles = ["mixed"] * 8
         assert [k for k, _ in sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY)] == ["idle"]
         assert "mixed" not in roles

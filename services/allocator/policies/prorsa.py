@@ -58,12 +58,14 @@ from services.allocator.capacity import (
     CapacityModel,
 )
 from services.allocator.policies.common import (
+    LIVE_STATES,
     Split,
     current_split,
     engines_by_role,
     floor_fix,
     forecast_of,
     initial_roles,
+    live_count,
     make_capacity,
     moves_for_split,
     parse_options,
@@ -79,7 +81,6 @@ QUANTILES = ("q10", "q50", "q90")
 _SIDE_WEIGHT = 1.0 / (2.0 * 1.2816**2)
 SCENARIO_WEIGHTS = (_SIDE_WEIGHT, 1.0 - 2.0 * _SIDE_WEIGHT, _SIDE_WEIGHT)
 DEFAULT_TOOL_S = 1.0  # a tool call when nothing is measured yet (a web fetch or a sandbox run)
-LIVE_STATES = ("queued", "prefill", "decode", "tool_call")
 
 
 @dataclass
@@ -159,7 +160,7 @@ class ProrsaPolicy(AllocatorPolicy):
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
         snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
-        if snapshot is not None and not any(snapshot.counts.get(st, 0) for st in LIVE_STATES):
+        if snapshot is not None and not live_count(snapshot.counts):
             self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
         self._turns_seen += view.recent_requests
         if view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
@@ -251,9 +252,9 @@ class ProrsaPolicy(AllocatorPolicy):
     ) -> tuple[Plan | None, bool]:
         """At a step's start: the split under which the last step of this task mix would have taken the fewest
         turn-seconds (step_memory.py: the replay, each split's cost scaled by the model's bias measured on it), when
-        it beats the running split by more than `margin`. A move at a live step start, or to a split that has not
-        run a step of this mix, needs a record the model explained within `margin`; the latter is tried only
-        while the cluster idles between steps. No switch cost is charged: the step's trajectories are new, so no
+        it beats the running split by more than `margin`. A move at a live step start needs a record the model
+        explained within `margin`; a split that has not run a step of this mix is tried only while the cluster
+        idles between steps, on such a record or where the coming step's mix is known. No switch cost is charged: the step's trajectories are new, so no
         engine holds a prefix worth keeping, and the first prompts a mover holds drain in a fraction of the step.
 
         Also says whether to hold the split through the step: when the model explained the last step within
@@ -293,9 +294,9 @@ class ProrsaPolicy(AllocatorPolicy):
         # one followed the last step of it before (an experiment: the step measures the split's own bias, and the
         # next replay compares measured costs), or the model explained this record within `margin` (then its
         # ranking is trusted even on the guess that the next step repeats this mix; a guess on a record it did
-        # not explain put math's best split under a general step on the alternating mix). Moved while a step's first prompts arrive,
-        # the movers' switch sends those prompts to the engines that serve meanwhile, and a trajectory's later
-        # turns follow its cache there (measured: profile:general · mimo-v2.5-pro at staleness 2, a move back to
+        # not explain put math's best split under a general step on the alternating mix). Moved while a step's
+        # first prompts arrive, the movers' switch sends those prompts to the engines that serve meanwhile, and a
+        # trajectory's later turns follow its cache there (measured: profile:general · mimo-v2.5-pro at staleness 2, a move back to
         # colocation at a step's start left that step 17 % slower than the same step colocated throughout).
         # At a live step start the candidates are the splits measured on this mix, and only on a record the model
         # explained (a congested step's record, on general · deepseek-v3.2 at staleness 2, sent the split from one
@@ -432,7 +433,7 @@ class ProrsaPolicy(AllocatorPolicy):
     ) -> float:
         """N: live trajectories (snapshot), else what the engines hold plus those in a tool call (Little)."""
         if snapshot is not None:
-            return float(sum(snapshot.counts.get(s, 0) for s in LIVE_STATES))
+            return float(live_count(snapshot.counts))
         rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
         held = sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len
         return float(held) + rate * shape.tool_s

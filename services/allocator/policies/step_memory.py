@@ -23,8 +23,8 @@ congested branch (turn_model) its uncongested projection is far too fast. So eac
 that ran most of it, the ratio of the turn-seconds really lived — N integrated over time, exact by Little's law
 however noisy each window was — to those the model projected (`ratio`; `model_error` is the same over the whole
 step, whatever ran). The replay scales each candidate's cost by its own ratio where that split has run a step of
-this mix, else by the ratio of the nearest split that has (the model's bias moves with the split: neighbours share
-most of it) — and a split never measured is tried only where the try measures what it was chosen for: the coming
+this mix, else by the ratio of the nearest split of the same branch of the model that has (the model's bias moves
+with the split: neighbours share most of it; colocation and splits are different networks) — and a split never measured is tried only where the try measures what it was chosen for: the coming
 step's mix is known (`next_known`), or the model explained the record within the margin. A wrong first move thus
 costs one step: that step measures the split, and the next replay compares measured costs.
 
@@ -36,8 +36,9 @@ step starts if its mix turns out to be another.
 
 A step start is seen in the tracker's snapshot: at least `FRESH_SHARE` of the live trajectories are new, started
 since the last snapshot (the tracker counts starts: `started_total`; trajectories that join later, a step's
-stragglers in arrival, are a minority of the live ones and join the running step). So a step triggers once, in both RL modes (a synchronous step follows an empty cluster; an
-asynchronous one is submitted the moment the last batch ends), however its arrivals are spread.
+stragglers in arrival, are a minority of the live ones and join the running step). So a step triggers once, in
+both RL modes (a synchronous step follows an empty cluster; an asynchronous one is submitted the moment the last
+batch ends), however its arrivals are spread.
 The task mix is the set of tasks holding at least `TASK_SHARE` of the live trajectories: an alternating mix
 (math steps, then general ones) keeps one record per task, a mix within steps one record for both.
 """
@@ -49,12 +50,12 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from proto import LifecycleSnapshot
+from services.allocator.policies.common import live_count
 from services.allocator.policies.turn_model import TurnShape
 
 FRESH_SHARE = 0.5  # a step has started when at least this share of the live trajectories is new
 TASK_SHARE = 0.1  # a task belongs to the mix when it holds at least this share of the live trajectories
 SEGMENTS = 16  # a record is kept as this many segments of equal turns (the replay's cost is per segment)
-LIVE_STATES = ("queued", "prefill", "decode", "tool_call")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,7 @@ class StepMemory:
         new = snapshot.started_total - self._started_seen
         # (A tracker restarted without its checkpoint counts from 0 again: a negative `new` is no step start.)
         self._started_seen = snapshot.started_total
-        live = sum(snapshot.counts.get(state, 0) for state in LIVE_STATES)
+        live = live_count(snapshot.counts)
         if not live:
             self._close()
             return None
@@ -107,7 +108,7 @@ class StepMemory:
             sorted(
                 task
                 for task, by_state in snapshot.counts_by_task.items()
-                if sum(by_state.get(state, 0) for state in LIVE_STATES) >= TASK_SHARE * live
+                if live_count(by_state) >= TASK_SHARE * live
             )
         )
         if self._last_mix is not None:
@@ -148,9 +149,10 @@ class StepMemory:
         """(turns, lived / projected) of the running step so far under `split`: how well the model explains the
         step while it runs; None before it has run a turn there."""
         sums = self._split_sums.get(split) if self._mix is not None else None
-        if not sums or sums[0] <= 0 or sums[1] <= 0 or not 0 < sums[2] < math.inf:
+        if not sums or sums[0] <= 0:
             return None
-        return sums[0], sums[1] / sums[2]
+        bias = _lived_over_projected(sums)
+        return None if bias is None else (sums[0], bias)
 
     def ratio(self, mix: tuple[str, ...], split: Hashable) -> float | None:
         """Turn-seconds lived / projected over the last step of `mix` that `split` ran (most of): the model's bias
@@ -169,14 +171,21 @@ class StepMemory:
         if self._mix is not None and self._ticks:
             self.records[self._mix] = compress(self._ticks, SEGMENTS)
             total = sum(t.turns for t in self._ticks)
-            for split, (turns, lived, projected) in self._split_sums.items():
+            for split, sums in self._split_sums.items():
                 # Only the split that ran most of the step: a few windows around a move (a step's first
                 # prompts, say) say nothing about its bias over a step.
-                if 2.0 * turns >= total and lived > 0 and 0 < projected < math.inf:
-                    self.calibration[(self._mix, split)] = lived / projected
+                bias = _lived_over_projected(sums)
+                if 2.0 * sums[0] >= total and bias is not None:
+                    self.calibration[(self._mix, split)] = bias
         self._ticks = []
         self._split_sums = {}
         self._mix = None
+
+
+def _lived_over_projected(sums: list[float]) -> float | None:
+    """A split's [turns, lived, projected] sums as the model's bias on it, None where they say nothing."""
+    _, lived, projected = sums
+    return lived / projected if lived > 0 and 0 < projected < math.inf else None
 
 
 def compress(ticks: list[Segment], segments: int) -> list[Segment]:
