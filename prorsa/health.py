@@ -53,15 +53,19 @@ async def gather_health(
                 pass  # a peer speaking another version: not counted as healthy
 
         sub = await nc.subscribe(inbox, cb=on_reply)
-        # Stamped on the shared scaled clock, like every message on the bus.
-        ask = HealthRequest(ts_s=Clock.from_env().now_s())
-        await nc.publish(Subjects(namespace).health, proto.encode(ask), reply=inbox)
+        await ask_health(nc, Subjects(namespace).health, inbox)
         await nc.flush()
         await asyncio.sleep(wait_s)
         await sub.unsubscribe()
         return sorted(replies, key=lambda r: (r.service, r.instance_id))
     finally:
         await nc.close()
+
+
+async def ask_health(nc: nats.aio.client.Client, subject: str, inbox: str) -> None:
+    """Publish a HealthRequest on `subject` whose replies go to `inbox`, stamped on the shared scaled clock like
+    every message on the bus."""
+    await nc.publish(subject, proto.encode(HealthRequest(ts_s=Clock.from_env().now_s())), reply=inbox)
 
 
 def check_reachable(nats_url: str, timeout_s: float = 2.0) -> None:

@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from services.runtime.bus import namespace_from_env, nats_url_from_env
-from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 
 if TYPE_CHECKING:
@@ -121,6 +120,7 @@ async def _subscribe(nc: Any, state: Any, s: Any) -> Any:
     """Feed every watched subject to `state` (a message that does not decode is counted there, not raised);
     returns the health probe: a coroutine function that asks every service to answer."""
     import proto
+    from prorsa.health import ask_health
 
     def feed(expected: Any) -> Any:
         async def cb(msg: Any) -> None:
@@ -144,8 +144,6 @@ async def _subscribe(nc: Any, state: Any, s: Any) -> Any:
     await nc.subscribe(inbox, cb=feed(proto.HealthReply))
 
     async def probe() -> None:
-        # Stamped on the shared scaled clock, like every message on the bus.
-        ask = proto.HealthRequest(ts_s=Clock.from_env().now_s())
-        await nc.publish(s.health, proto.encode(ask), reply=inbox)
+        await ask_health(nc, s.health, inbox)
 
     return probe
