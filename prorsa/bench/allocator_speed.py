@@ -9,7 +9,8 @@ so neither hysteresis nor any cache makes later decisions cheaper than the first
 timed (the service builds it from messages it already holds). Dynamo refits its ARIMA predictors on its slow
 interval (60 s of view time = every 12th decision); statsmodels is imported before timing starts. Every
 `step_every` decisions a new RL step starts (a snapshot of new trajectories), so the decisions timed include
-prorsa's step starts, which replay the last step through the turn model for every candidate split.
+prorsa's step starts, which replay the last step through the turn model for the splits measured on its mix (the
+full search over every candidate runs only while the cluster idles, which a live snapshot never shows).
 Target: ≤ 20 ms p99 at 256 engines.
 """
 
