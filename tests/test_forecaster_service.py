@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import pytest
+
 import proto
 from prorsa.bench.synthetic import SyntheticWorkload, generate_events
 from proto import DemandForecast, EngineEvent, Subjects
@@ -95,5 +97,42 @@ async def test_published_forecasts_encode_after_a_real_snapshot(nats_server: Emb
         assert [f.snapshot_ts_s for f in forecasts] == [t0, t0 + 1, t0 + 2]
         assert all(f.predictor == "naive" and len(f.horizons) == 2 for f in forecasts)
         assert svc.forecasts_published == 3
+    finally:
+        await svc.stop()
+
+
+@pytest.mark.parametrize(("share", "refits_after"), [(1e-9, 1), (0.0, 2)])
+async def test_refits_keep_to_their_cpu_share(
+    nats_server: EmbeddedNatsServer,
+    nc,  # noqa: ANN001
+    share: float,
+    refits_after: int,
+) -> None:
+    """A refit due by the workload clock waits while the last one's CPU over `refit_cpu_share` (wall) has not
+    passed — under a compressed clock the workload cadence would otherwise refit back to back — and health says
+    what each phase cost. Without a cap (share 0) the same snapshots refit again."""
+    svc = ForecasterService(nats_server.url, refit_interval_s=30.0, refit_cpu_share=share)
+    await svc.start()
+    try:
+        tracker = TrackerCore()
+        events = generate_events(SyntheticWorkload(trajectories=20, seed=3))
+        await _publish_first_half(nc, svc, tracker, events)
+        t = events[len(events) // 2][0]
+        await nc.publish(S.snapshot, proto.encode(tracker.snapshot(t)))
+        await _wait_for(lambda: svc.refits == 1)
+        for te, ev in events[len(events) // 2 :]:  # new samples: the models have something new to fit
+            tracker.apply(ev, te)
+            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
+            await nc.publish(subject, proto.encode(ev))
+        await _wait_for(lambda: svc.core.learner.events == len(events))
+        await nc.publish(
+            S.snapshot, proto.encode(tracker.snapshot(events[-1][0] + 31.0))
+        )  # a refit is due again
+        await _wait_for(lambda: svc.core.snapshots == 2)
+        await _wait_for(lambda: svc.refits == refits_after)
+        details = svc.health_details()
+        assert details["refits_deferred"] == (1 if share else 0)
+        assert details["cpu_s"]["refit"] > 0.0 and details["cpu_s"]["snapshot"] > 0.0
+        assert set(details["cpu_s"]) <= {"event", "snapshot", "forecast", "refit"}
     finally:
         await svc.stop()

@@ -8,7 +8,7 @@ clock (`services.runtime.clock`, PRORSA_TIME_SCALE = speedup), so every duration
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prorsa.client import RolloutClient
@@ -63,14 +63,28 @@ def initial_roles(policy: str, engines: int, profile: str) -> list[str]:
     return [plan.roles.get(e, "mixed") for e in ids]
 
 
-async def run_live(cfg: LiveConfig, progress: Callable[[str, int, int], None] | None = None) -> LiveResult:
+# Called with the running system (its url and credentials): once it is healthy, just before the first trajectory,
+# and once the last trajectory ended, before teardown. A bench measures the rollout alone between the two.
+Hook = Callable[[System], Awaitable[None]]
+
+
+async def run_live(
+    cfg: LiveConfig,
+    progress: Callable[[str, int, int], None] | None = None,
+    started: Hook | None = None,
+    finished: Hook | None = None,
+) -> LiveResult:
     speedup = cfg.speedup if cfg.backend == "sim" else 1.0
     with time_scale_set(speedup):  # inherited by every child process; restored afterwards
-        return await _run_live(cfg, speedup, progress)
+        return await _run_live(cfg, speedup, progress, started, finished)
 
 
 async def _run_live(
-    cfg: LiveConfig, speedup: float, progress: Callable[[str, int, int], None] | None
+    cfg: LiveConfig,
+    speedup: float,
+    progress: Callable[[str, int, int], None] | None,
+    started: Hook | None,
+    finished: Hook | None,
 ) -> LiveResult:
     workload = load_workload(
         cfg.workload, batch_size=cfg.batch_size, group_size=cfg.group_size, seed=cfg.seed
@@ -135,7 +149,11 @@ async def _run_live(
             ),
             progress,
         )
+        if started is not None:
+            await started(system)
         metrics = await driver.run(steps)
+        if finished is not None:
+            await finished(system)
         metrics.role_switches = recorder.role_switches
         await client.close()
         durations = [r.duration_s for r in metrics.records.values() if r.completed]

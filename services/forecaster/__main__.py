@@ -25,6 +25,12 @@ def _extend(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds between published forecasts (the allocator's cadence; 0: one per snapshot)",
     )
+    p.add_argument(
+        "--refit-cpu-share",
+        type=float,
+        default=0.1,
+        help="most of one core model refits may use (wall clock; binds only under a compressed clock; 0: no cap)",
+    )
 
 
 def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterService:
@@ -39,6 +45,7 @@ def _make(args: argparse.Namespace, url: str, namespace: str) -> ForecasterServi
         refit_interval_s=args.refit_interval_s,
         seed=args.seed,
         forecast_interval_s=args.forecast_interval_s,
+        refit_cpu_share=args.refit_cpu_share,
     )
 
 
