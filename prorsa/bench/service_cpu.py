@@ -6,7 +6,8 @@ share (CPU seconds per wall second; 1.0 is one core busy). The forecaster's cost
 the forecasts it published (seen on the bus by the rollout's recorder). Linux only (/proc).
 
 Issue 16 asks that the forecaster cost little at a 40x clock even under `colocated`; the table says which service
-spends the machine's CPU there, per policy, in one run.
+spends the machine's CPU there, per policy, in one run. `--refit-cpu-shares 0,0.1` runs each policy with the
+forecaster's refits uncapped and capped, side by side.
 """
 
 from __future__ import annotations
@@ -157,10 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--speedup", type=float, default=40.0)
     p.add_argument("--policies", default="colocated,prorsa")
+    p.add_argument(
+        "--refit-cpu-shares",
+        default="",
+        help="comma-separated forecaster --refit-cpu-share values to run each policy with (default: the service's)",
+    )
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     rows = []
-    for policy in args.policies.split(","):
+    shares = [s for s in args.refit_cpu_shares.split(",") if s] or [None]
+    for policy, share in ((pol, sh) for pol in args.policies.split(",") for sh in shares):
+        label = policy if share is None else f"{policy} (refit share {share})"
         cfg = LiveConfig(
             workload=args.workload,
             engines=args.engines,
@@ -170,14 +178,15 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             training_s=20.0,
             speedup=args.speedup,
+            forecaster_args=[] if share is None else ["--refit-cpu-share", share],
         )
-        print(f"{policy}: live rollout at {args.speedup:g}x ...", flush=True)
+        print(f"{label}: live rollout at {args.speedup:g}x ...", flush=True)
         sampler = CpuSampler()
         run = asyncio.run(measure(cfg, sampler))
         summary, wall_s, forecasts = run.summary, run.wall_s, run.forecasts
         services = sampler.by_service()
         print(
-            f"{policy}: {wall_s:.1f} s wall, {summary['trajectories_completed']}/{summary['trajectories_expected']}"
+            f"{label}: {wall_s:.1f} s wall, {summary['trajectories_completed']}/{summary['trajectories_expected']}"
             f" trajectories, {forecasts} forecasts"
         )
         print(f"  {'service':<20} {'procs':>5} {'cpu s':>8} {'cpu share':>9}")
@@ -196,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             {
                 "policy": policy,
+                "refit_cpu_share": share,
                 "wall_s": wall_s,
                 "forecasts": forecasts,
                 "forecaster_cpu_s_by_phase": run.phases,

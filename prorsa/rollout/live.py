@@ -46,6 +46,9 @@ class LiveConfig:
     nats_url: str | None = None
     log_dir: str | None = None
     allocator_interval_s: float | None = None
+    forecaster_args: list[str] = field(
+        default_factory=list
+    )  # extra arguments of `python -m services.forecaster`
     extra_engine_args: list[str] = field(default_factory=list)
 
 
@@ -118,7 +121,7 @@ async def _run_live(
             model=cfg.model,
             extra_engine_args=engine_args,
             engine_roles=initial_roles(cfg.policy, cfg.engines, cfg.profile),
-            extra_service_args={"allocator": allocator_args},
+            extra_service_args={"allocator": allocator_args, "forecaster": cfg.forecaster_args},
             log_dir=cfg.log_dir,
         )
     ).start()
