@@ -12,7 +12,10 @@ the newest. `forecast_interval_s=0` forecasts every snapshot. Bad input is count
 
 Refits never block the event loop: when a refit is due, the core hands out a pure job over copied data, which runs
 in a worker thread (`asyncio.to_thread`); the core keeps forecasting with the last fitted models until the job's
-result is installed back on the loop. At most one refit runs at a time.
+result is installed back on the loop. At most one refit runs at a time, and refits keep to `refit_cpu_share` of one
+core on the wall clock: a refit costs 0.1–0.8 s of CPU and is due every 30 workload seconds, which under a 40x clock
+would be back to back (`docs/benchmarks.md`, "Cost live, per service"). CPU by phase (events, snapshots, forecasts,
+refits) is in health and in `prorsa_forecaster_cpu_seconds_total{phase}`.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class ForecasterService(Service):
         self.forecast_interval_s = forecast_interval_s
         self.refit_cpu_share = refit_cpu_share
         self._refit_not_before = -math.inf  # time.monotonic() (wall) before which no refit starts
-        self.refits_deferred = 0
+        self.refits_deferred = 0  # snapshots at which a due refit waited for the CPU budget
         self._last_forecast_s = -math.inf
         self.snapshots_without_forecast = 0
         self.core = ForecasterCore(
