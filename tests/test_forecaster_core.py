@@ -268,3 +268,23 @@ def test_every_predictor_returns_ordered_non_negative_quantiles_for_every_horizo
     assert core.series and realised(list(core.series), 30.0, 5.0) is not None
     out = core.forecast(45.0, horizons=(7.0,))
     assert [h.horizon_s for h in out.horizons] == [7.0] and out.snapshot_ts_s == core.last_snapshot_ts_s
+
+
+def test_a_kinds_first_sample_makes_a_refit_due_at_once() -> None:
+    """A kind on its prior (a round stand-in: 256 output tokens) is replaced at its first sample, not after 20
+    observations: on azure-code the prior outlived the first answers by 4 s and cost most of the decode error."""
+    from proto import LifecycleSnapshot
+
+    core = ForecasterCore("lifecycle", refit_interval_s=30.0)
+    empty = LifecycleSnapshot(
+        ts_s=0.0, seq=1, counts={}, counts_by_task={}, context_tokens_by_state={}, trajectories=[]
+    )
+    core.observe_snapshot(empty, 0.0)
+    assert core.refit_due(0.0) and core.refit_job(0.0) is not None  # the first fit, on the priors
+    core.distributions.add("general", "queue_wait_s", 0.5)
+    core.refit(0.5)  # a first queue wait: refitted
+    assert not core.refit_due(1.0)
+    core.distributions.add("general", "queue_wait_s", 0.7)  # the same kind again: not due
+    assert not core.refit_due(1.0)
+    core.distributions.add("general", "output_tokens", 24.0)  # the run's first answer
+    assert core.refit_due(1.0)

@@ -70,6 +70,7 @@ class ForecasterCore:
         self.series: deque[SeriesPoint] = deque(maxlen=series_points)
         self.last_refit_s = -math.inf
         self._version_at_refit = 0
+        self._kinds_at_refit = 0
         self.snapshots = 0
         self.last_snapshot_ts_s = 0.0
         self.rejected: Counter[str] = Counter()  # bad input skipped, by reason (module header)
@@ -143,10 +144,14 @@ class ForecasterCore:
 
     # --- refits -----------------------------------------------------------------------------------------------
     def refit_due(self, now: float) -> bool:
-        """Every `refit_interval_s`, and early on whenever the learned observations doubled since the last refit
-        (a model fitted on the first dozen observations should not wait a whole interval to be replaced)."""
+        """Every `refit_interval_s`; early on whenever the learned observations doubled since the last refit (a model
+        fitted on the first dozen observations should not wait a whole interval to be replaced); and whenever a
+        task's kind got its first sample (its prior, a round stand-in, should not outlive it: on azure-code the
+        prior's 256 output tokens against a few dozen real ones were most of the decode error)."""
         if now - self.last_refit_s >= self.refit_interval_s:
             return True
+        if self.distributions.kinds_seen > self._kinds_at_refit:
+            return True  # a kind's first sample: its prior (a round stand-in) should not outlive it
         return self.distributions.version >= 2 * self._version_at_refit + 20
 
     def refit_job(self, now: float) -> Callable[[], Any] | None:
@@ -155,6 +160,7 @@ class ForecasterCore:
         if job is not None:
             self.last_refit_s = now
             self._version_at_refit = self.distributions.version
+            self._kinds_at_refit = self.distributions.kinds_seen
         return job
 
     def install(self, fitted: Any) -> None:

@@ -116,6 +116,8 @@ class Distributions:
         self._by_turn: dict[tuple[str, int], dict[str, SampleRing]] = {}
         self.decode_rate_tokens_per_s = 0.0
         self.version = 0
+        # (task, kind) rings that hold at least one sample: a kind leaving its prior is worth a refit at once
+        self.kinds_seen = 0
         self.steps = StepLearner()  # when the next RL step's first prompts come (steps.py)
 
     def _ring(self, task: str, kind: str) -> SampleRing:
@@ -129,7 +131,10 @@ class Distributions:
         task's turn bucket too. Negative or non-finite values are dropped."""
         if not (value >= 0.0) or not np.isfinite(value):
             return
-        self._ring(task, kind).add(value, flag)
+        ring = self._ring(task, kind)
+        if ring.count == 0:
+            self.kinds_seen += 1
+        ring.add(value, flag)
         if task != POOLED:
             self._ring(POOLED, kind).add(value, flag)
         if turn is not None and kind in TURN_KINDS:
