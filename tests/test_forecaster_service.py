@@ -35,13 +35,20 @@ async def _collect_forecasts(nc) -> list[DemandForecast]:  # noqa: ANN001
     return forecasts
 
 
-async def _publish_first_half(nc, svc: ForecasterService, tracker: TrackerCore, events: list) -> None:  # noqa: ANN001
-    """Apply the first half of `events` to `tracker` and publish them; wait until the service observed them all."""
-    for t, ev in events[: len(events) // 2]:
+async def _publish_events(
+    nc, svc: ForecasterService, tracker: TrackerCore, events: list, start: int, stop: int
+) -> None:  # noqa: ANN001
+    """Apply `events[start:stop]` to `tracker` and publish them; wait until the service has observed `stop` events."""
+    for t, ev in events[start:stop]:
         tracker.apply(ev, t)
         subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
         await nc.publish(subject, proto.encode(ev))
-    await _wait_for(lambda: svc.core.learner.events == len(events) // 2)
+    await _wait_for(lambda: svc.core.learner.events == stop)
+
+
+async def _publish_first_half(nc, svc: ForecasterService, tracker: TrackerCore, events: list) -> None:  # noqa: ANN001
+    """Apply the first half of `events` to `tracker` and publish them; wait until the service observed them all."""
+    await _publish_events(nc, svc, tracker, events, 0, len(events) // 2)
 
 
 async def test_a_snapshot_becomes_a_forecast(nats_server: EmbeddedNatsServer, nc) -> None:  # noqa: ANN001
@@ -120,14 +127,10 @@ async def test_refits_keep_to_their_cpu_share(
         t = events[len(events) // 2][0]
         await nc.publish(S.snapshot, proto.encode(tracker.snapshot(t)))
         await _wait_for(lambda: svc.refits == 1)
-        for te, ev in events[len(events) // 2 :]:  # new samples: the models have something new to fit
-            tracker.apply(ev, te)
-            subject = S.engine_events(ev.engine_id) if isinstance(ev, EngineEvent) else S.lifecycle
-            await nc.publish(subject, proto.encode(ev))
-        await _wait_for(lambda: svc.core.learner.events == len(events))
-        await nc.publish(
-            S.snapshot, proto.encode(tracker.snapshot(events[-1][0] + 31.0))
-        )  # a refit is due again
+        # the second half: new samples, so the models have something new to fit
+        await _publish_events(nc, svc, tracker, events, len(events) // 2, len(events))
+        later = tracker.snapshot(events[-1][0] + 31.0)  # a refit is due again by the workload clock
+        await nc.publish(S.snapshot, proto.encode(later))
         await _wait_for(lambda: svc.core.snapshots == 2)
         await _wait_for(lambda: svc.refits == refits_after)
         details = svc.health_details()

@@ -46,9 +46,8 @@ class LiveConfig:
     nats_url: str | None = None
     log_dir: str | None = None
     allocator_interval_s: float | None = None
-    forecaster_args: list[str] = field(
-        default_factory=list
-    )  # extra arguments of `python -m services.forecaster`
+    # extra arguments of `python -m services.forecaster` (e.g. `--refit-cpu-share`)
+    forecaster_args: list[str] = field(default_factory=list)
     extra_engine_args: list[str] = field(default_factory=list)
 
 

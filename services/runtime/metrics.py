@@ -93,19 +93,19 @@ class ServiceMetrics:
 
     def count_in(self, subject: str) -> None:
         self.in_count += 1
-        family = _family(subject)
-        child = self._in_by_family.get(family)
-        if child is None:
-            child = self._in_by_family[family] = self.messages_in.labels(subject=family, **self._labels)
-        child.inc()
+        self._per_family(self.messages_in, self._in_by_family, subject).inc()
 
     def count_out(self, subject: str) -> None:
         self.out_count += 1
+        self._per_family(self.messages_out, self._out_by_family, subject).inc()
+
+    def _per_family(self, metric: Any, children: dict[str, Any], subject: str) -> Any:
+        """`metric`'s child for `subject`'s family, made once and kept in `children`."""
         family = _family(subject)
-        child = self._out_by_family.get(family)
+        child = children.get(family)
         if child is None:
-            child = self._out_by_family[family] = self.messages_out.labels(subject=family, **self._labels)
-        child.inc()
+            child = children[family] = metric.labels(subject=family, **self._labels)
+        return child
 
     def count_error(self, kind: str) -> None:
         self.error_counts[kind] = self.error_counts.get(kind, 0) + 1
