@@ -137,7 +137,8 @@ def run_cell(
                 "decode_tokens": j["windows"]["decode_tokens_per_s"],
             }
             for spec, j in full.items()
-            if not spec.startswith("static:") or spec == _chosen(rows)
+            # every split static:best swept is in `full`: only its choice is drawn, and a split asked for by name
+            if not spec.startswith("static:") or spec in policies or spec == _chosen(rows)
         },
     }
     if errors:
