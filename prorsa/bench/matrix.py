@@ -121,6 +121,8 @@ def run_cell(
     ]
     errors = {r["policy"]: r["error"] for r in rows if "error" in r}
     any_json = next(iter(full.values()))
+    # every split static:best swept is in `full`: only its choice is drawn, and any split asked for by name
+    drawn = {*policies, _chosen(rows)}
     entry: dict[str, Any] = {
         "workload": cell.workload,
         "profile": cell.profile,
@@ -137,8 +139,7 @@ def run_cell(
                 "decode_tokens": j["windows"]["decode_tokens_per_s"],
             }
             for spec, j in full.items()
-            # every split static:best swept is in `full`: only its choice is drawn, and a split asked for by name
-            if not spec.startswith("static:") or spec in policies or spec == _chosen(rows)
+            if not spec.startswith("static:") or spec in drawn
         },
     }
     if errors:
