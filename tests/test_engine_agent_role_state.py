@@ -160,6 +160,8 @@ PURE_MODULES = [
     "pull_capacity.py",
     "jobs.py",
     "job_core.py",
+    "engine_core.py",
+    "prefix_cache.py",
     "outputs.py",
     "backends/sim_scheduler.py",
     "backends/sim_tokens.py",

@@ -97,7 +97,7 @@ def test_an_engine_that_becomes_prefill_never_takes_waiting_handoffs():
     """Regression: with no decode engine, handoffs wait for a mixed one; a prefill engine rejoining then must
     leave them (it would hold decodes it never steps, and the run would never end)."""
     from prorsa.sim.core import Simulation
-    from prorsa.sim.state import Request
+    from prorsa.sim.state import Request, Traj
     from services.allocator.registry import make_policy
 
     specs = [TrajectorySpec("t0", "coding", (Turn(1000, 50, 0.0),))]
@@ -107,7 +107,8 @@ def test_an_engine_that_becomes_prefill_never_takes_waiting_handoffs():
     prefill = next(e for e in sim.engines.values() if e.role == "prefill")
     mixed = next(e for e in sim.engines.values() if e.role == "mixed")
     sim.router.engine_leaving(mixed, 0.0)  # no engine can decode: a handoff waits
-    req = Request(sim.driver.new_rid(), None, 0, 1000, 50)  # never looked at: nobody may take it
+    traj = Traj(specs[0], step=0, attempt=0, version=0, key="t0", group_key="", group_tokens=0)
+    req = Request(sim.driver.new_rid(), traj, 0, 1000, 50)  # nobody may take it
     sim.router.handoffs.append(req)
     sim.router.engine_available(prefill, 0.0)
     assert prefill.incoming == 0 and not prefill.seqs and list(sim.router.handoffs) == [req]

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from prorsa.sim.engine import IDLE, JUMP
 from prorsa.sim.forecast_feed import ForecastFeed, decoded_at, live_feed
 from prorsa.sim.runner import SimConfig, _load_workload, run_simulation, simulate
 from proto import DemandForecast, LifecycleSnapshot
 from services.allocator.policy import ClusterView
 from services.allocator.registry import make_policy
+from services.engine_agent.engine_core import IDLE, JUMP
 from services.runtime.model_profiles import load_profile
 
 # Small and fast: 3 engines, 8 math trajectories; the lifecycle predictor refits in milliseconds here.

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
+from services.engine_agent.engine_core import ACTIVE, DRAINING, RECONFIG
 from services.runtime import perf_model as pm
 
 if TYPE_CHECKING:
     from prorsa.sim.engine import SimEngine
 
-ACTIVE, DRAINING, RECONFIG = 0, 1, 2  # engine states: serving its role, leaving it, reconfiguring
+__all__ = ["ACTIVE", "DRAINING", "RECONFIG", "RoleSwitching"]
 
 
 class RoleSwitching:
@@ -61,9 +62,6 @@ class RoleSwitching:
             self.sim.migrate(req, self, decoded, now)
         if leaving:
             self._forget_finishes()
-
-    def _drained(self: SimEngine) -> bool:
-        return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
 
     def _start_reconfig(self: SimEngine, now: float) -> None:
         self.state = RECONFIG

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from prorsa.forecast_eval.bridge import SimBridge, _Req
 from prorsa.forecast_eval.hints import ArrivalSchedule, RecordingWorkload
-from prorsa.sim.engine import JUMP
 from proto import DemandForecast, LifecycleSnapshot
+from services.engine_agent.engine_core import JUMP
 from services.forecaster.core import ForecasterCore
 from services.forecaster.series import HORIZONS_S
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore

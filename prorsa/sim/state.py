@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prorsa.workload.types import TrajectorySpec
+from services.engine_agent.engine_core import CoreSeq
 
 if TYPE_CHECKING:
     from prorsa.sim.engine import SimEngine
@@ -35,31 +36,30 @@ class Traj:
     last_engine: SimEngine | None = None  # engine that last prefilled it (prefix affinity)
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """One turn's work inside the engines: a prefill of `context_tokens`, then `output_tokens` of decode.
+class Request(CoreSeq):
+    """One turn's work inside the engines (an engine core's sequence, with the trajectory it belongs to).
 
     A migrated request (its decode engine switched role) carries the tokens decoded so far in its context, is
     prefilled again elsewhere (counted as recomputation) and decodes the rest.
     """
 
-    rid: int
-    traj: Traj
-    turn: int
-    context_tokens: int  # prompt to prefill (incl. decoded-so-far for a migration)
-    output_tokens: int  # tokens still to decode
-    migrated: bool = False
-    cancelled: bool = False  # its trajectory was aborted: drop wherever it is found
-    # Prefill progress (set when an engine starts it).
-    hit_tokens: int = 0  # prefix-cache hit at prefill start
-    to_compute_tokens: int = 0  # context - hit
-    computed_tokens: int = 0  # computed so far (chunked prefill)
-    est_tokens: int = 0  # router's estimate of uncached tokens while queued on an engine
-    # Decode progress (on the engine that decodes it).
-    engine: SimEngine | None = None
-    kv_tokens: int = 0  # KV reserved on `engine` (context + output)
-    start_step: int = 0  # engine step counter value when it joined the batch
-    target_step: int = 0  # step counter value at which its last token is out
+    __slots__ = ("traj", "turn")
+
+    def __init__(
+        self, rid: int, traj: Traj, turn: int, context_tokens: int, output_tokens: int, migrated: bool = False
+    ) -> None:
+        CoreSeq.__init__(
+            self,
+            rid,
+            traj.key,
+            context_tokens,
+            output_tokens,
+            group_key=traj.group_key,
+            group_tokens=traj.group_tokens,
+            migrated=migrated,
+        )
+        self.traj = traj
+        self.turn = turn
 
     def __repr__(self) -> str:
         return f"Request({self.traj.spec.traj_id}#{self.turn}, ctx={self.context_tokens}, out={self.output_tokens})"
