@@ -13,7 +13,7 @@ from prorsa.sim.runner import SimConfig, _load_workload, run_simulation, simulat
 from proto import DemandForecast, LifecycleSnapshot
 from services.allocator.policy import ClusterView
 from services.allocator.registry import make_policy
-from services.engine_agent.engine_core import IDLE, JUMP
+from services.engine_agent.engine_core import IDLE, JUMP, EngineCore
 from services.runtime.model_profiles import load_profile
 
 # Small and fast: 3 engines, 8 math trajectories; the lifecycle predictor refits in milliseconds here.
@@ -127,10 +127,12 @@ def test_the_forecaster_is_configurable_and_checked() -> None:
         SimConfig(forecaster="")
 
 
-def _jump_engine(steps_done: int, t_start: float, a: float, b: float, steps: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        activity=JUMP, steps_done=steps_done, _t_start=t_start, _jump_a=a, _jump_b=b, _jump_steps=steps
-    )
+def _jump_engine(steps_done: int, t_start: float, a: float, b: float, steps: int) -> EngineCore:
+    """An engine core in the middle of a decode jump with the given bookkeeping."""
+    engine = EngineCore(load_profile("qwen3-235b"), "decode")
+    engine.activity, engine.steps_done, engine._t_start = JUMP, steps_done, t_start
+    engine._jump_a, engine._jump_b, engine._jump_steps = a, b, steps
+    return engine
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from prorsa.forecast_eval.bridge import SimBridge, _Req
 from prorsa.forecast_eval.hints import ArrivalSchedule, RecordingWorkload
 from proto import DemandForecast, LifecycleSnapshot
-from services.engine_agent.engine_core import JUMP
 from services.forecaster.core import ForecasterCore
 from services.forecaster.series import HORIZONS_S
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore
@@ -54,29 +53,8 @@ _BEFORE_NOW_S = 1e-6
 
 def decoded_at(engine: SimEngine, req: Request, now: float) -> int:
     """Tokens `req` has decoded on `engine` by `now`: its completed steps plus the steps of the engine's decode
-    jump in progress that end at or before `now` (a jump's k-th step ends k·a + b·k(k−1)/2 after its start).
-
-    Reads the engine's jump bookkeeping (`_t_start`, `_jump_a`, `_jump_b`, `_jump_steps`): the simulated engine
-    exposes no such query, and its state at `now` is exactly what a real engine would have streamed by then."""
-    done = engine.steps_done - req.start_step
-    if engine.activity != JUMP:
-        return done  # idle, or a mixed step in progress: its one step is not out yet
-    dt = now - engine._t_start + 1e-9  # a step ending within a nanosecond of `now` is out (float rounding)
-    a, b, steps = engine._jump_a, engine._jump_b, engine._jump_steps
-    if dt <= 0 or steps <= 0:
-        return done
-    if b > 0:
-        c = a - b / 2
-        k = int((-c + math.sqrt(c * c + 2 * b * dt)) / b)
-    else:
-        k = int(dt / a) if a > 0 else 0
-    k = max(0, min(k, steps))
-    # Fix the float rounding of the root: the largest k whose end is <= dt.
-    while k > 0 and k * a + b * k * (k - 1) / 2 > dt:
-        k -= 1
-    while k < steps and (k + 1) * a + b * (k + 1) * k / 2 <= dt:
-        k += 1
-    return done + min(k, req.target_step - engine.steps_done)
+    jump in progress that end at or before `now` (`EngineCore.steps_at`)."""
+    return min(engine.steps_at(now), req.target_step) - req.start_step
 
 
 class _NoLedger:

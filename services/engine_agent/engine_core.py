@@ -225,11 +225,27 @@ class EngineCore:
         return decode_left + self.queued_tokens + self._active_left
 
     def steps_at(self, now: float) -> int:
-        """The step counter as of `now`: `steps_done` plus the steps of the jump in progress completed by then."""
+        """The step counter as of `now`: `steps_done` plus the steps of the decode jump in progress that end at or
+        before `now` (within a nanosecond: float rounding) — what a real engine would have streamed by then."""
+        done = self.steps_done
         if self.activity != JUMP:
-            return self.steps_done
-        k = self._jump_steps_by(now - self._t_start)
-        return self.steps_done + (k if k < self._jump_steps else self._jump_steps)
+            return done  # idle, or a prefill or mixed step in progress: its one step is not out yet
+        dt = now - self._t_start + 1e-9
+        a, b, steps = self._jump_a, self._jump_b, self._jump_steps
+        if dt <= 0 or steps <= 0:
+            return done
+        if b > 0:
+            c = a - b / 2
+            k = int((-c + math.sqrt(c * c + 2 * b * dt)) / b)
+        else:
+            k = int(dt / a) if a > 0 else 0
+        k = max(0, min(k, steps))
+        # Fix the float rounding of the root: the largest k whose end is <= dt.
+        while k > 0 and k * a + b * k * (k - 1) / 2 > dt:
+            k -= 1
+        while k < steps and (k + 1) * a + b * (k + 1) * k / 2 <= dt:
+            k += 1
+        return done + k
 
     def decoded_so_far(self, seq: CoreSeq) -> int:
         return self.steps_done - seq.start_step
@@ -524,12 +540,14 @@ class EngineCore:
         self._token = token = self._token + 1
         self._wake_at(now + (m * a + b * m * (m - 1) / 2), token)
 
-    def _jump_steps_by(self, dt: float) -> int:
-        """The first k with k steps of the jump lasting at least `dt` (k·a + b·k(k-1)/2 seconds); may pass the
-        jump's length, which the callers cap."""
+    def _interrupt(self, now: float) -> None:
+        """End the current jump at the first step boundary at or after `now`."""
+        t0 = self._t_start
+        dt = now - t0
         a, b, steps = self._jump_a, self._jump_b, self._jump_steps
-        # Start at the whole part of the root for dt (written without cancellation, so it is within rounding of
-        # the true root, below the answer), then step up to the first boundary at or after dt.
+        # k steps of the jump take k·a + b·k(k-1)/2 seconds: start at the whole part of the root for dt (written
+        # without cancellation, so it is within rounding of the true root, below the answer), then step up to the
+        # first boundary at or after now.
         if b > 0 and dt > 0:
             c = a - b / 2
             k = int(2 * dt / (c + math.sqrt(c * c + 2 * b * dt)))
@@ -539,17 +557,11 @@ class EngineCore:
         while elapsed < dt and k < steps:
             k += 1
             elapsed = k * a + b * k * (k - 1) / 2
-        return k
-
-    def _interrupt(self, now: float) -> None:
-        """End the current jump at the first step boundary at or after `now`."""
-        t0 = self._t_start
-        k = self._jump_steps_by(now - t0)
-        if k >= self._jump_steps:
+        if k >= steps:
             return  # the planned wake-up is that boundary
         self._jump_steps = k
         self._token = token = self._token + 1
-        end = t0 + (k * self._jump_a + self._jump_b * k * (k - 1) / 2)
+        end = t0 + elapsed
         if k == 0 or end <= now:
             self._complete(now)
             self._boundary(now)
