@@ -42,7 +42,8 @@ def test_a_lone_decode_takes_the_sum_of_its_step_times():
     _, rec = _run([TrajectorySpec(traj_id="a", task="t", turns=(Turn(prompt, out, 0.0),))], "static:1:1")
     start = rec.first(ev.DECODE_STARTED, "s0-a")
     end = rec.first(ev.TRAJECTORY_FINISHED, "s0-a")
-    expected = sum(pm.decode_step_time_s(p, 1, prompt + i) for i in range(out))
+    # The prefill sampled the first token; the other out - 1 are one step each, the context growing from prompt + 1.
+    expected = sum(pm.decode_step_time_s(p, 1, prompt + 1 + i) for i in range(out - 1))
     assert end - start == pytest.approx(expected, rel=1e-9)
     # Prefill then KV transfer came first.
     prefill_done = rec.first(ev.PREFILL_DONE, "s0-a")
@@ -60,10 +61,10 @@ def test_a_handoff_arriving_mid_jump_joins_at_the_next_step_boundary():
     arrived = rec.first(ev.PREFILL_DONE, "s0-late") + pm.kv_transfer_time_s(p, 100)
     joined = rec.first(ev.DECODE_STARTED, "s0-late")
     assert arrived <= joined <= arrived + pm.decode_step_time_s(p, 1, 100 + 5_000) + 1e-9
-    # The long one still finishes after exactly 5,000 steps: batch 2 for 50 of them.
+    # The long one still finishes after exactly 4,999 steps: batch 2 for 49 of them.
     long_start = rec.first(ev.DECODE_STARTED, "s0-long")
     long_end = rec.first(ev.TRAJECTORY_FINISHED, "s0-long")
-    solo = sum(pm.decode_step_time_s(p, 1, 100 + i) for i in range(5_000))
+    solo = sum(pm.decode_step_time_s(p, 1, 101 + i) for i in range(4_999))
     assert solo < long_end - long_start < solo + 50 * (pm.decode_step_time_s(p, 2, 20_000) - 0.008)
 
 

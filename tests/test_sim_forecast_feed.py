@@ -138,16 +138,16 @@ def _jump_engine(steps_done: int, t_start: float, a: float, b: float, steps: int
 @pytest.mark.parametrize(
     ("a", "b", "now", "expected"),
     [
-        (0.1, 0.0, 10.0, 5),  # jump start: only the steps done before it (5 since the request joined)
-        (0.1, 0.0, 10.05, 5),  # mid-step: that step is not out yet
-        (0.1, 0.0, 10.1, 6),  # first step ends at 10.1
-        (0.1, 0.0, 10.35, 8),
-        (0.1, 0.0, 11.0, 15),  # the jump's 10 steps are done
-        (0.1, 0.0, 99.0, 15),  # never past the jump
-        (0.1, 0.01, 10.1, 6),  # growing step time: step k ends at k·a + b·k(k−1)/2
-        (0.1, 0.01, 10.2, 6),  # 2 steps need 0.21 s
-        (0.1, 0.01, 10.21, 7),
-        (0.1, 0.01, 11.45, 15),  # 10 steps: 1.0 + 0.45
+        (0.1, 0.0, 10.0, 6),  # jump start: the token its prefill sampled and the 5 steps since it joined
+        (0.1, 0.0, 10.05, 6),  # mid-step: that step is not out yet
+        (0.1, 0.0, 10.1, 7),  # first step ends at 10.1
+        (0.1, 0.0, 10.35, 9),
+        (0.1, 0.0, 11.0, 16),  # the jump's 10 steps are done
+        (0.1, 0.0, 99.0, 16),  # never past the jump
+        (0.1, 0.01, 10.1, 7),  # growing step time: step k ends at k·a + b·k(k−1)/2
+        (0.1, 0.01, 10.2, 7),  # 2 steps need 0.21 s
+        (0.1, 0.01, 10.21, 8),
+        (0.1, 0.01, 11.45, 16),  # 10 steps: 1.0 + 0.45
     ],
 )
 def test_decoded_at_counts_the_steps_of_the_jump_done_by_now(
@@ -161,4 +161,4 @@ def test_decoded_at_counts_the_steps_of_the_jump_done_by_now(
 def test_decoded_at_outside_a_jump_is_the_step_counter() -> None:
     engine = _jump_engine(steps_done=25, t_start=10.0, a=0.1, b=0.0, steps=10)
     engine.activity = IDLE
-    assert decoded_at(engine, SimpleNamespace(start_step=20, target_step=35), 50.0) == 5  # type: ignore[arg-type]
+    assert decoded_at(engine, SimpleNamespace(start_step=20, target_step=35), 50.0) == 6  # type: ignore[arg-type]

@@ -82,10 +82,15 @@ class SimEngine(RoleSwitching, EngineCore):
             metrics.prompt_tokens += seq.context_tokens
             metrics.prefix_hit_tokens += hit
 
-    def _on_prefill_tokens(self, t0: float, now: float, computed: int, recomputed: int, wasted: int) -> None:
+    def _on_prefill_tokens(
+        self, t0: float, now: float, computed: int, recomputed: int, wasted: int, sampled: int
+    ) -> None:
         # Prompt tokens computed (once per prefill step), with `spread`'s common case inlined: inside one window.
         done = computed + recomputed + wasted
         metrics = self.metrics
+        if sampled:  # first output tokens, out at the step's end
+            metrics.decoded_tokens += sampled
+            spread(metrics.decode_row, metrics.window_s, now, now, sampled)
         metrics.prefill_computed_tokens += computed
         metrics.migration_recompute_tokens += recomputed
         metrics.wasted_prefill_tokens += wasted

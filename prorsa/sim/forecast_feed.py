@@ -52,9 +52,9 @@ _BEFORE_NOW_S = 1e-6
 
 
 def decoded_at(engine: SimEngine, req: Request, now: float) -> int:
-    """Tokens `req` has decoded on `engine` by `now`: its completed steps plus the steps of the engine's decode
-    jump in progress that end at or before `now` (`EngineCore.steps_at`)."""
-    return min(engine.steps_at(now), req.target_step) - req.start_step
+    """Output tokens of `req` (decoding on `engine`) out by `now`: the one its prefill sampled, its completed steps,
+    and the steps of the engine's decode jump in progress that end at or before `now` (`EngineCore.steps_at`)."""
+    return min(engine.steps_at(now), req.target_step) - req.start_step + 1
 
 
 class _NoLedger:

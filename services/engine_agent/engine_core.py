@@ -8,6 +8,8 @@ Roles:
 * `prefill`: each step takes queued prompts FIFO up to `prefill_batch_tokens` of uncached tokens (a longer prompt
   is chunked over steps) and costs `prefill_step_time_s`. A prompt done is handed on (`_hand_off`): its KV goes to
   a decode engine, which pays the transfer (`accept_handoff` → arrival time).
+* The step that completes a prompt samples its first output token (vLLM does): a turn of `output_tokens` tokens
+  decodes `output_tokens - 1` steps after its prefill, here or on the decode engine its KV goes to.
 * `decode`: continuous batching. Batch composition changes only when a sequence finishes or a handed-off one is
   admitted, so the engine *jumps*: it plans the steps up to the next finish, with step times from
   `decode_step_time_s(batch, context)` (context grows by `batch` per step; the sum is an arithmetic series, exact
@@ -180,8 +182,11 @@ class EngineCore:
     def _on_finished(self, seq: CoreSeq, now: float) -> None:
         """`seq` decoded its last token (it has left the batch)."""
 
-    def _on_prefill_tokens(self, t0: float, now: float, computed: int, recomputed: int, wasted: int) -> None:
-        """A step from `t0` to `now` computed prompt tokens: new, recomputed (migrations) and wasted (cancelled)."""
+    def _on_prefill_tokens(
+        self, t0: float, now: float, computed: int, recomputed: int, wasted: int, sampled: int
+    ) -> None:
+        """A step from `t0` to `now` computed prompt tokens: new, recomputed (migrations) and wasted (cancelled);
+        `sampled` prompts completed and sampled their first output token."""
 
     def _on_decoded(self, t0: float, now: float, tokens: int) -> None:
         """Decode steps from `t0` to `now` produced `tokens` tokens (the batch's progress is `seqs`' steps)."""
@@ -248,7 +253,8 @@ class EngineCore:
         return done + k
 
     def decoded_so_far(self, seq: CoreSeq) -> int:
-        return self.steps_done - seq.start_step
+        """Output tokens of `seq` (decoding here) out so far: the one its prefill sampled and one per step."""
+        return self.steps_done - seq.start_step + 1
 
     def drained(self) -> bool:
         return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
@@ -464,7 +470,7 @@ class EngineCore:
         return self._cost.mixed_chunks_step_s(priced, batch, self._ctx_base + batch * self.steps_done)
 
     def _apply_chunks(self, t0: float, now: float) -> None:
-        computed = recomputed = wasted = 0
+        computed = recomputed = wasted = sampled = 0
         for seq, n in self._chunks:
             seq.computed_tokens += n
             self._active_left -= n
@@ -482,15 +488,25 @@ class EngineCore:
                 computed += n
             if seq.computed_tokens >= seq.to_compute_tokens:
                 self.active.remove(seq)
+                sampled += 1
                 self._prefill_finished(seq, now)
         self._chunks = []
         self.prefill_tokens_done += computed + recomputed + wasted
-        self._on_prefill_tokens(t0, now, computed, recomputed, wasted)
+        self._on_prefill_tokens(t0, now, computed, recomputed, wasted, sampled)
 
     def _prefill_finished(self, seq: CoreSeq, now: float) -> None:
         self.cache.insert(seq.key, seq.context_tokens, now, seq.group_key, seq.group_tokens)
         self._on_prefill_done(seq, now)
-        if self.role == "prefill":
+        if seq.output_tokens <= 1:  # the token the prefill step sampled ends the turn: nothing to decode
+            if seq.engine is self:
+                self._reserve(-seq.kv_tokens)
+                seq.engine = None
+            if self.role == "mixed":
+                self.cache.insert(
+                    seq.key, seq.context_tokens + seq.output_tokens, now, seq.group_key, seq.group_tokens
+                )
+            self._on_finished(seq, now)
+        elif self.role == "prefill":
             self._hand_off(seq, now)
         elif self.state == DRAINING and self._hands_off_while_draining():
             self._reserve(-seq.kv_tokens)  # leaving: send the KV to a decode engine instead
@@ -502,18 +518,20 @@ class EngineCore:
     # -- decode -----------------------------------------------------------------------------------------------------
 
     def _join_batch(self, seq: CoreSeq, now: float) -> None:
+        """A prefilled sequence (here, or elsewhere and its KV arrived) starts decoding. Its first output token was
+        sampled by the step that completed its prompt, so it is in the context and one fewer step is left."""
         seq.start_step = start = self.steps_done
-        seq.target_step = target = start + seq.output_tokens
+        seq.target_step = target = start + seq.output_tokens - 1
         self.seqs[seq.rid] = seq
         heappush(self._finish_heap, target << _RID_BITS | seq.rid)
-        self._ctx_base += seq.context_tokens - start
+        self._ctx_base += seq.context_tokens + 1 - start
         self._target_sum += target
         self._on_decode_started(seq, now)
 
     def _leave_batch(self, seq: CoreSeq) -> None:
         """Take a sequence out of the batch (its finish heap entry is the caller's: popped, or `_forget_finishes`)."""
         del self.seqs[seq.rid]
-        self._ctx_base -= seq.context_tokens - seq.start_step
+        self._ctx_base -= seq.context_tokens + 1 - seq.start_step
         self._target_sum -= seq.target_step
         self.kv_reserved -= seq.kv_tokens  # _reserve(-kv), inlined: once per turn
         if self.role == "mixed":
