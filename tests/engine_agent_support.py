@@ -12,9 +12,9 @@ from typing import Any
 import proto
 from proto import GenerateRequest, SamplingParams, TokenChunk
 from services.engine_agent.agent import AgentConfig, EngineAgent
-from services.engine_agent.backends.sim_backend import SimBackend
-from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, context_tokens, output_end
+from services.engine_agent.backends.sim_backend import LiveSeq, SimBackend
 from services.engine_agent.backends.sim_tokens import SimTokens
+from services.engine_agent.solo_engine import SoloEngine
 from services.runtime.clock import Clock
 from services.runtime.model_profiles import load_profile
 from services.runtime.perf_model import ModelProfile
@@ -56,32 +56,14 @@ def request(
     )
 
 
-def generate_seq(request: GenerateRequest, max_model_len: int = 131_072) -> SimSeq:
-    """The scheduler's sequence for a locally generated (`generate`) request, as SimBackend.generate builds it."""
-    end, reason = output_end(request, max_model_len)
-    return SimSeq(
-        request_id=request.request_id,
-        traj_id=request.traj_id,
-        mode="generate",
-        context_tokens=context_tokens(request),
-        pos=len(request.resume_token_ids),
-        end=end,
-        end_reason=reason,
-        tokens=SimTokens(request.request_id),
-        want_logprobs=request.sampling.logprobs,
-    )
-
-
 def modelled_s(profile: ModelProfile, requests: list[GenerateRequest], role: str = "mixed") -> float:
-    """Virtual seconds a fresh engine takes to generate `requests` all submitted at 0, stepping one at a time."""
-    sched = SimScheduler(profile, role, 131_072)
-    for r in requests:
-        sched.add_prefill(generate_seq(r))
-    now = 0.0
-    while (step := sched.plan(now)) is not None:
-        now += step.duration_s
-        sched.apply(step, now)
-    return now
+    """Virtual seconds a fresh engine (the engine core) takes to generate `requests` all submitted at 0."""
+    engine = SoloEngine(profile, role)
+    for i, r in enumerate(requests):
+        engine.submit(LiveSeq(i, r, "generate", 131_072, 1_000))
+    while (t := engine.next_event_s()) is not None:
+        engine.advance(t)
+    return engine.now
 
 
 def expected_ids(rid: str, n: int) -> list[int]:

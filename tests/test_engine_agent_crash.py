@@ -106,7 +106,7 @@ def test_cli_builds_a_sim_engine_without_importing_vllm() -> None:
     )
     backend = cli.make_backend(args, "cli-e")
     assert isinstance(backend, SimBackend)
-    assert (backend.speedup, backend.max_model_len, backend.sched.role) == (4.0, 8192, "decode")
+    assert (backend.speedup, backend.max_model_len, backend.core.role) == (4.0, 8192, "decode")
     proto.check_token(cli.default_engine_id())
     # In a fresh interpreter (other tests in this process may have imported vllm for real):
     probe = (

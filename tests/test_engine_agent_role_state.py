@@ -163,7 +163,7 @@ PURE_MODULES = [
     "engine_core.py",
     "prefix_cache.py",
     "outputs.py",
-    "backends/sim_scheduler.py",
+    "solo_engine.py",
     "backends/sim_tokens.py",
 ]
 

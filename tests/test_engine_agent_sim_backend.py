@@ -1,8 +1,9 @@
-"""The simulated backend: its scheduler charges exactly the performance model, its tokens are a pure function of
-the request, and the async shell keeps streams consistent across prefill/decode and migration."""
+"""The simulated backend: the engine core under it charges exactly the performance model, its tokens are a pure
+function of the request, and the async shell keeps streams consistent across prefill/decode and migration."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -10,9 +11,10 @@ import pytest
 
 from proto import DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import Backend, KvUnavailable
-from services.engine_agent.backends.sim_backend import SimBackend
-from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq, output_end
+from services.engine_agent.backends.sim_backend import LiveSeq, SimBackend, output_end
 from services.engine_agent.backends.sim_tokens import SimTokens
+from services.engine_agent.engine_core import JUMP, MIXED_STEP
+from services.engine_agent.solo_engine import SoloEngine
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
 
@@ -20,9 +22,9 @@ P = load_profile("qwen3-235b")
 
 
 def req(rid: str, max_tokens: int = 20, prompt_len: int = 2_000, **fields: object) -> GenerateRequest:
+    fields.setdefault("traj_id", f"t-{rid}")
     return GenerateRequest(
         request_id=rid,
-        traj_id=f"t-{rid}",
         turn=0,
         prompt_token_ids=[],
         prompt_len=prompt_len,
@@ -32,18 +34,9 @@ def req(rid: str, max_tokens: int = 20, prompt_len: int = 2_000, **fields: objec
     )
 
 
-def seq(rid: str, mode: str, context: int, end: int, traj: str = "", pos: int = 0) -> SimSeq:
-    return SimSeq(
-        request_id=rid,
-        traj_id=traj or f"t-{rid}",
-        mode=mode,  # type: ignore[arg-type]
-        context_tokens=context,
-        pos=pos,
-        end=end,
-        end_reason="length",
-        tokens=SimTokens(rid),
-        want_logprobs=True,
-    )
+def seq(rid: str, mode: str, prompt: int, max_tokens: int, traj: str = "", cacheable: int = 0) -> LiveSeq:
+    r = req(rid, max_tokens, prompt, traj_id=traj or f"t-{rid}", sim_cacheable_tokens=cacheable)
+    return LiveSeq(hash(rid) % 1_000_000, r, mode, 131_072, 1_000)  # type: ignore[arg-type]
 
 
 def test_tokens_are_a_pure_function_of_request_and_position() -> None:
@@ -68,52 +61,49 @@ def test_output_end(max_tokens: int, sim_out: int, prompt: int, model_len: int, 
     assert output_end(req("x", max_tokens, prompt, sim_output_tokens=sim_out), model_len) == expected
 
 
-def test_scheduler_charges_the_performance_model() -> None:
-    s = SimScheduler(P, "prefill", 131_072)
-    s.add_prefill(seq("a", "prefill", 3_000, 10))
-    step = s.plan(0.0)
-    assert step is not None and step.duration_s == pytest.approx(pm.prefill_time_s(P, 3_000, 0))
-    (touched,) = s.apply(step, 1.0)
-    assert touched.done and touched.first == SimTokens("a").at(0)
-    assert s.cache.cached_tokens("t-a") == 3_000
-    # Decode: two sequences whose KV arrived step together.
-    d = SimScheduler(P, "decode", 131_072)
+def test_the_core_charges_the_performance_model() -> None:
+    s = SoloEngine(P, "prefill")
+    a = seq("a", "prefill", 3_000, 10)
+    s.submit(a)
+    assert s.next_event_s() == pytest.approx(pm.prefill_time_s(P, 3_000, 0))
+    s.advance(1.0)
+    assert [q for q, _ in s.handed_off] == [a] and s.cache.cached_tokens("t-a") == 3_000
+    # Decode: two sequences whose KV arrived step together; each carries the token its prefill sampled.
+    d = SoloEngine(P, "decode")
     for rid in ("b", "c"):
-        d.add_incoming(seq(rid, "decode", 1_001, 50, pos=1))
-        assert d.arrive(rid)
-    step = d.plan(0.0)
-    assert step is not None and step.duration_s == pytest.approx(pm.decode_step_time_s(P, 2, 2_002))
-    d.apply(step, 0.1)
-    step = d.plan(0.1)
-    assert step is not None and step.duration_s == pytest.approx(pm.decode_step_time_s(P, 2, 2_004))
+        d.receive(seq(rid, "decode", 1_000, 50))
+    d.advance(pm.kv_transfer_time_s(P, 1_000))
+    assert d.activity == JUMP and d._jump_steps == 49
+    assert d._jump_a == pytest.approx(pm.decode_step_time_s(P, 2, 2_002))
+    assert d._jump_a + d._jump_b == pytest.approx(pm.decode_step_time_s(P, 2, 2_004))
 
 
 def test_mixed_steps_chunk_prefill_and_carry_the_decode_batch() -> None:
-    s = SimScheduler(P, "mixed", 131_072)
-    s.add_prefill(seq("long", "generate", 20_000, 5))
-    s.add_incoming(seq("dec", "decode", 4_001, 30, pos=1))
-    s.arrive("dec")
-    step = s.plan(0.0)
-    assert step is not None
-    assert [(q.request_id, n) for q, n in step.chunks] == [("long", P.mixed_chunk_tokens)]
-    expected = pm.mixed_step_time_s(P, P.mixed_chunk_tokens, 1, 4_001, prefill_cached_tokens=0)
-    assert step.duration_s == pytest.approx(expected)
+    s = SoloEngine(P, "mixed")
+    dec = seq("dec", "decode", 4_000, 30)
+    s.receive(dec)
+    s.advance(pm.kv_transfer_time_s(P, 4_000))  # joined: a decode jump starts
+    long = seq("long", "generate", 20_000, 5)
+    s.submit(long)  # the jump had not made a step yet: a step with a chunk and the batch replaces it at once
+    assert s.activity == MIXED_STEP and s._chunks == [(long, P.mixed_chunk_tokens)]
+    context = 4_001 + s.steps_done
+    expected = pm.mixed_step_time_s(P, P.mixed_chunk_tokens, 1, context, prefill_cached_tokens=0)
+    assert s.next_event_s() == pytest.approx(s.now + expected)
 
 
 def test_prefix_hits_are_bounded_and_the_last_token_recomputed() -> None:
-    s = SimScheduler(P, "mixed", 131_072)
+    s = SoloEngine(P, "mixed")
     s.cache.insert("traj", 5_000, 0.0)
     for rid, context, cacheable, hit in [
         ("a", 5_300, 0, 5_000),
         ("b", 5_300, 4_000, 4_000),
         ("c", 3_000, 0, 2_999),
     ]:
-        q = seq(rid, "generate", context, 5, traj="traj")
-        q.cacheable_tokens = cacheable
-        s.add_prefill(q)
-        s.plan(0.0)
-        assert (q.hit_tokens, q.to_compute) == (hit, context - hit)
-        s.remove(rid)
+        q = seq(rid, "generate", context, 5, traj="traj", cacheable=cacheable)
+        s.submit(q)
+        assert (q.hit_tokens, q.to_compute_tokens) == (hit, context - hit)
+        s.drop(q)
+        s.advance(s.next_event_s() or 0.0)
     assert s.kv_reserved == 0
 
 
@@ -138,7 +128,7 @@ async def test_prefill_decode_and_migration_continue_one_token_sequence() -> Non
         tail = [c async for c in b.generate(resumed)]
         assert whole[:15] + [t for c in tail for t in c.token_ids] == whole
         assert tail[0].prefill is not None and tail[-1].finished and tail[-1].finish_reason == "length"
-        assert b.stats().running == 0 and b.sched.kv_reserved == 0
+        assert b.stats().running == 0 and b.core.kv_reserved == 0
     finally:
         await b.close()
 
@@ -169,7 +159,12 @@ async def test_abort_ends_a_stream_and_frees_its_kv() -> None:
         await b.abort("long")
         rest = [c async for c in stream]
         assert rest == [] or not rest[-1].finished
-        assert b.sched.kv_reserved == 0 and b.stats().running == 0
+        # Freed at the engine's next step boundary (a decode step: milliseconds of wall time here).
+        for _ in range(100):
+            if b.stats().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert b.core.kv_reserved == 0 and b.stats().running == 0
     finally:
         await b.close()
 

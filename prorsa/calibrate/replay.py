@@ -1,8 +1,8 @@
 """A workload of independent requests at fixed concurrency, and its replay through the performance model (pure).
 
-The same `WorkloadRequest`s run on a real engine (`measure.Meter.run_workload`) and here, through the simulated
-engine's scheduler (`services.engine_agent.backends.sim_scheduler.SimScheduler`: continuous batching, chunked
-prefill, step times from `perf_model`), in virtual time. Both are closed loops: `concurrency` requests are in
+The same `WorkloadRequest`s run on a real engine (`measure.Meter.run_workload`) and here, through the engine core
+that ships (`services.engine_agent.solo_engine.SoloEngine`: continuous batching, chunked prefill, step times from
+`perf_model`), in virtual time. Both are closed loops: `concurrency` requests are in
 flight, and each one that finishes is replaced by the next in order at that moment. So the two runs see the same
 arrivals given the same service times, and their throughput and latencies can be compared one to one.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.engine_agent.backends.sim_scheduler import SimScheduler, SimSeq
-from services.engine_agent.backends.sim_tokens import SimTokens
+from services.engine_agent.engine_core import CoreSeq
+from services.engine_agent.solo_engine import SoloEngine
 from services.runtime.perf_model import ModelProfile
 
 
@@ -77,52 +77,45 @@ def make_workload(
     ]
 
 
-def _seq(r: WorkloadRequest) -> SimSeq:
-    return SimSeq(
-        request_id=r.request_id,
-        traj_id=r.request_id,  # one trajectory per request: no prefix shared, as on the real engine
-        mode="generate",
-        context_tokens=r.prompt_tokens,
-        pos=0,
-        end=r.output_tokens,
-        end_reason="length",
-        tokens=SimTokens(r.request_id),
-        want_logprobs=False,
-    )
-
-
 def replay(
     profile: ModelProfile, requests: list[WorkloadRequest], concurrency: int, max_model_len: int = 1 << 20
 ) -> WorkloadResult:
     """Run `requests` through the modelled engine (mixed role), `concurrency` at a time; virtual seconds.
+    Outputs are capped by `max_model_len` as the real engine caps them.
 
     Raises ValueError on an empty workload or a concurrency below 1."""
     if not requests or concurrency < 1:
         raise ValueError("replay needs at least one request and concurrency >= 1")
-    sched = SimScheduler(profile, "mixed", max_model_len)
+    engine = SoloEngine(profile, "mixed")
     waiting = deque(requests)
+    by_rid: dict[int, WorkloadRequest] = {}
     submitted: dict[str, float] = {}
     first: dict[str, float] = {}
     done: list[RequestTiming] = []
 
-    def submit(now: float) -> None:
+    def submit() -> None:
         r = waiting.popleft()
-        submitted[r.request_id] = now
-        sched.add_prefill(_seq(r))
+        submitted[r.request_id] = engine.now
+        out = max(min(r.output_tokens, max_model_len - r.prompt_tokens), 1)
+        # One trajectory per request: no prefix shared, as on the real engine.
+        seq = CoreSeq(len(by_rid), r.request_id, r.prompt_tokens, out)
+        by_rid[seq.rid] = r
+        engine.submit(seq)
 
     for _ in range(min(concurrency, len(waiting))):
-        submit(0.0)
-    now = 0.0
-    while (step := sched.plan(now)) is not None:
-        now += step.duration_s
-        for seq in sched.apply(step, now):
-            rid = seq.request_id
-            if seq.prefill_info is not None and rid not in first:
-                first[rid] = now
-            if seq.done:
-                done.append(RequestTiming(rid, submitted[rid], first[rid], now, seq.pos))
-                if waiting:
-                    submit(now)
+        submit()
+    while (t := engine.next_event_s()) is not None:
+        engine.advance(t)
+        for seq, at in engine.prefilled:
+            first[by_rid[seq.rid].request_id] = at
+        for seq, at in engine.finished:
+            rid = by_rid[seq.rid].request_id
+            done.append(RequestTiming(rid, submitted[rid], first[rid], at, seq.output_tokens))
+        finished = len(engine.finished)
+        engine.prefilled.clear()
+        engine.finished.clear()
+        for _ in range(min(finished, len(waiting))):
+            submit()
     return WorkloadResult(tuple(sorted(done, key=lambda t: t.request_id)))
 
 

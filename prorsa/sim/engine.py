@@ -73,7 +73,7 @@ class SimEngine(RoleSwitching, EngineCore):
         self._push(arrive, HANDOFF_ARRIVE, self, seq)
         return arrive
 
-    def _on_prefill_started(self, seq: CoreSeq, hit: int) -> None:
+    def _on_prefill_started(self, seq: CoreSeq, hit: int, now: float) -> None:
         metrics = self.metrics  # prefill starts and prompt tokens (once per turn)
         if seq.migrated:
             metrics.migration_hit_tokens += hit

@@ -74,12 +74,7 @@ class RoleSwitching:
             return
         self.metrics.role_change(now, "switching", self.target_role, self.engine_id)
         self.metrics.role_switches += 1
-        # Roles switch without a restart (one KV layout serves every role, as NixlConnector's kv_both does), so
-        # the prefix cache survives a move between the roles that prefill; an engine that becomes decode-only
-        # gives its KV to handed-off decodes, which have no use for it.
-        if self.target_role == "decode":
-            self.cache.clear()
-        self.role, self.target_role, self.state = self.target_role, "", ACTIVE
-        self.cache.resize(self.p.kv_capacity_tokens)
+        self.set_role(self.target_role)  # drained: nothing holds KV
+        self.target_role, self.state = "", ACTIVE
         self.router.engine_available(self, now)
         self._poke(now)

@@ -39,7 +39,7 @@ the general path: `tests/test_sim_speed_paths.py` compares them.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Sized
 from heapq import heapify, heappop, heappush
 
@@ -62,7 +62,7 @@ class CoreSeq:
     __slots__ = ("rid", "key", "group_key", "group_tokens", "cacheable_tokens", "context_tokens")
     __slots__ += ("output_tokens", "migrated", "cancelled", "hit_tokens", "to_compute_tokens")
     __slots__ += ("computed_tokens",)
-    __slots__ += ("est_tokens", "engine", "kv_tokens", "start_step", "target_step")
+    __slots__ += ("est_tokens", "engine", "kv_tokens", "start_step", "target_step", "remote")
 
     def __init__(
         self,
@@ -75,6 +75,7 @@ class CoreSeq:
         group_tokens: int = 0,
         cacheable_tokens: int = WHOLE_CONTEXT,
         migrated: bool = False,
+        remote: bool = False,
     ) -> None:
         self.rid = rid  # unique per engine core, < 2**48
         self.key = key  # prefix-cache key (the trajectory's)
@@ -85,6 +86,9 @@ class CoreSeq:
         self.output_tokens = output_tokens  # tokens still to decode
         self.migrated = migrated  # prefilled again after its decode engine switched role (recomputation)
         self.cancelled = False  # dropped wherever it is found
+        self.remote = (
+            remote  # prefilled for a decode elsewhere, whatever this engine's role (a prefill engine's are)
+        )
         # Prefill progress (set when an engine starts it).
         self.hit_tokens = 0  # prefix-cache hit at prefill start
         self.to_compute_tokens = 0  # context - hit
@@ -115,7 +119,7 @@ class EngineCore:
         self.state = ACTIVE
         self.cache = PrefixCache(profile.kv_capacity_tokens)
         # Role → seconds busy (the simulator shares one dict among engines).
-        self.busy_s: dict[str, float] = {}
+        self.busy_s: dict[str, float] = defaultdict(float)
         self.wake_s: float | None = None  # when the activity in progress ends (None: idle)
         # Handoffs waiting for a decode engine with room, where the driver keeps them in one shared queue (the
         # simulator's router); an engine that decodes pulls at its step boundaries while any wait.
@@ -170,8 +174,8 @@ class EngineCore:
         """Whether a mixed engine that drains sends a prompt it finishes to a decode engine (one exists)."""
         return False
 
-    def _on_prefill_started(self, seq: CoreSeq, hit: int) -> None:
-        """A prompt started computing here with a prefix hit of `hit` tokens."""
+    def _on_prefill_started(self, seq: CoreSeq, hit: int, now: float) -> None:
+        """A prompt started computing here at `now` with a prefix hit of `hit` tokens."""
 
     def _on_prefill_done(self, seq: CoreSeq, now: float) -> None:
         """A prompt is prefilled here (before it is handed on or joins the batch)."""
@@ -258,6 +262,16 @@ class EngineCore:
 
     def drained(self) -> bool:
         return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
+
+    def set_role(self, role: str) -> None:
+        """Serve `role` from now on (the driver has drained what the new role does not do). Roles switch without a
+        restart (one KV layout serves every role, as NixlConnector's kv_both does), so the prefix cache survives a
+        move between the roles that prefill; an engine that becomes decode-only gives its KV to handed-off
+        decodes, which have no use for it."""
+        if role == "decode":
+            self.cache.clear()
+        self.role = role
+        self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
 
     # -- work in ------------------------------------------------------------------------------------------------
 
@@ -462,7 +476,7 @@ class EngineCore:
             seq.engine = self
             seq.kv_tokens = context + seq.output_tokens
             self._reserve(seq.kv_tokens)
-        self._on_prefill_started(seq, hit)
+        self._on_prefill_started(seq, hit, now)
 
     def _mixed_step_s(self) -> float:
         priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks]
@@ -506,11 +520,14 @@ class EngineCore:
                     seq.key, seq.context_tokens + seq.output_tokens, now, seq.group_key, seq.group_tokens
                 )
             self._on_finished(seq, now)
-        elif self.role == "prefill":
-            self._hand_off(seq, now)
-        elif self.state == DRAINING and self._hands_off_while_draining():
-            self._reserve(-seq.kv_tokens)  # leaving: send the KV to a decode engine instead
-            seq.engine = None
+        elif (
+            self.role == "prefill"
+            or seq.remote
+            or (self.state == DRAINING and self._hands_off_while_draining())  # leaving: decode elsewhere
+        ):
+            if seq.engine is self:  # a mixed engine reserved its KV: the decode engine holds it now
+                self._reserve(-seq.kv_tokens)
+                seq.engine = None
             self._hand_off(seq, now)
         else:
             self._join_batch(seq, now)

@@ -1,24 +1,24 @@
-"""The simulated engine backend: `SimScheduler` run in real time, `speedup` virtual seconds per wall second.
+"""The simulated engine backend: the engine core that ships (`engine_core.EngineCore`, driven as a `SoloEngine`),
+paced on the scaled clock at `speedup` modelled seconds per wall second.
 
-Time. Every clock reading and sleep goes through the backend's `Clock` (`services.runtime.clock`: scaled seconds
-= wall seconds × the time scale), which the agent shares. A modelled (virtual) duration `d` lasts `d / speedup` wall
-seconds, i.e. `d × scale / speedup` scaled seconds; `speedup` defaults to the time scale, so with the scale set the
-engine's virtual seconds *are* the scaled seconds every service measures (prefill_s, ttft_s, e2e_s, tokens/s).
+The rules — continuous batching, chunked prefill, decode jumps, KV reservation, prefix cache, the first output token
+sampled by the step that completes a prompt — are the core's, the same object the discrete-event simulator runs;
+this shell adds only what a live engine needs besides: token ids (`SimTokens`, a pure function of the request id
+and position), streams and futures, KV expiry, and the clock.
 
-The engine loop plans a step, waits its modelled duration, applies it and wakes the streams of the sequences that
-produced tokens. Waits are paced against a deadline carried from step to step, so Python overhead and late
-wake-ups inside a busy period are absorbed by the next waits instead of slowing the modelled engine down (a backlog
-is never carried across an idle period, and one beyond `MAX_LAG_WALL_S` is dropped rather than replayed as a burst).
-A decode step is 10-25 ms virtual, under a millisecond of wall time at speed-ups of 50+, so pure decode steps are
-coalesced (`SimScheduler.plan`'s budget): one loop iteration covers up to `coalesce_wall_s` of wall time, and work
-that arrives meanwhile joins at the end of the block (an admission delay of at most that quantum).
-KV transfer (decode side) is a wait of `kv_transfer_time_s` outside the step loop, as a real KV connector moves
-data while the engine keeps stepping.
+Time. The engine's modelled time is the scaled clock times `speedup / time_scale` (equal when `speedup` is the time
+scale, the default: the engine's modelled seconds then *are* the scaled seconds every service measures). Before
+anything touches the core, it is advanced to that time (`SoloEngine.advance`: every step end and KV arrival due by
+then, at its exact modelled time), so Python's overhead and late wake-ups never slow the modelled engine down and
+never move a modelled time; a late event loop only delays when the tokens reach the consumer. The engine loop
+sleeps until the core's next event; a stream reads the tokens out by now (the steps of a decode jump completed so
+far, `EngineCore.steps_at`) whenever its consumer asks.
 
 KV handed to a decode engine is named by `kv_transfer_params = {"sim_engine": <engine>, "sim_expires_s": <Unix
-time, scaled seconds (Clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` virtual
+time, scaled seconds (Clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` modelled
 seconds (vLLM's NIXL connector frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by
-default); a decode that comes later finds it gone (`KvUnavailable`).
+default); a decode that comes later finds it gone (`KvUnavailable`). The transfer itself is the core's
+(`accept_handoff`: the modelled transfer time, then the request joins the batch at a step boundary).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from proto import DecodeHandoff, GenerateRequest
 from services.engine_agent.backend import (
@@ -38,28 +39,39 @@ from services.engine_agent.backend import (
     PrefillResult,
     RequestAborted,
 )
-from services.engine_agent.backends.sim_scheduler import (
-    DEFAULT_MAX_MODEL_LEN,
-    SeqMode,
-    SimScheduler,
-    SimSeq,
-    context_tokens,
-    output_end,
-)
 from services.engine_agent.backends.sim_tokens import QWEN3_VOCAB_SIZE, SimTokens
+from services.engine_agent.engine_core import WHOLE_CONTEXT, CoreSeq
+from services.engine_agent.solo_engine import SoloEngine
 from services.runtime import perf_model as pm
 from services.runtime.clock import Clock, scale_from_env
 from services.runtime.logging import get_logger
 from services.runtime.perf_model import ModelProfile
 
+SeqMode = Literal["generate", "prefill", "decode"]
+
+DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
 DEFAULT_KV_TTL_S = 480.0
 DEFAULT_SPEEDUP = (
     10.0  # virtual seconds per wall second when neither `speedup` nor $PRORSA_TIME_SCALE is given
 )
-# Wall time one engine-loop iteration may cover by coalescing decode steps: long enough that a loop trip (~0.1-0.5 ms
-# of Python on a loaded machine) is a small fraction of it, short enough to delay an arrival by little.
-DEFAULT_COALESCE_WALL_S = 0.005
-MAX_LAG_WALL_S = 0.1  # the engine loop catches up at most this far behind its deadline (a stalled event loop)
+# Longest a stream with no token out waits before looking again (wall): the next token can come no later than the
+# core's next event, which it waits for, but a decode jump's steps end between events.
+STREAM_POLL_WALL_S = 0.005
+
+
+def context_tokens(request: GenerateRequest) -> int:
+    """Tokens in the request's context: the prompt plus output already streamed before a migration."""
+    return request.prompt_len + len(request.resume_token_ids)
+
+
+def output_end(request: GenerateRequest, max_model_len: int) -> tuple[int, str]:
+    """(whole-turn output length, finish reason): the workload's `sim_output_tokens` (else max_tokens), capped by
+    max_tokens and the model length. "length" when a cap ends it, else "stop" (as if the model sampled EOS)."""
+    max_tokens = request.sampling.max_tokens
+    cap = min(max_tokens, max(0, max_model_len - request.prompt_len))
+    want = request.sim_output_tokens if request.sim_output_tokens > 0 else max_tokens
+    end = min(want, cap)
+    return end, "length" if end == cap else "stop"
 
 
 def resolve_speedup(speedup: float | None, time_scale: float | None, engine_id: str = "") -> float:
@@ -75,8 +87,55 @@ def resolve_speedup(speedup: float | None, time_scale: float | None, engine_id: 
     return speedup
 
 
+class LiveSeq(CoreSeq):
+    """A request inside the live simulated engine: the core's sequence plus its stream's positions and tokens.
+
+    Output positions `first_pos` .. `end - 1` are this call's: the prefill samples `first_pos` (for a `decode`, the
+    prefill engine did), each decode step one more."""
+
+    __slots__ = (
+        "request_id",
+        "mode",
+        "first_pos",
+        "end",
+        "end_reason",
+        "tokens",
+        "want_logprobs",
+        "next_pos",
+    )
+    __slots__ += ("prefilled", "prefill_info", "prefill_started_s", "done", "aborted")
+
+    def __init__(
+        self, rid: int, request: GenerateRequest, mode: SeqMode, max_model_len: int, vocab_size: int
+    ) -> None:
+        first_pos = len(request.resume_token_ids)
+        end, reason = output_end(request, max_model_len)
+        cacheable = request.sim_cacheable_tokens
+        super().__init__(
+            rid,
+            request.traj_id,
+            context_tokens(request),
+            max(end - first_pos, 0),
+            cacheable_tokens=cacheable if cacheable > 0 else WHOLE_CONTEXT,
+            remote=mode == "prefill",
+        )
+        self.request_id = request.request_id
+        self.mode: SeqMode = mode
+        self.first_pos = first_pos
+        self.end = end
+        self.end_reason = reason
+        self.tokens = SimTokens(request.request_id, vocab_size)
+        self.want_logprobs = request.sampling.logprobs
+        self.next_pos = first_pos + 1 if mode == "decode" else first_pos  # the next position to stream
+        self.prefilled = mode == "decode"  # its first token is out
+        self.prefill_info: PrefillInfo | None = None  # for the stream's first chunk (generate)
+        self.prefill_started_s = 0.0
+        self.done = False  # its last token is out
+        self.aborted = False
+
+
 class SimBackend:
-    """`Backend` over the performance model (see the module docstring)."""
+    """`Backend` over the engine core (see the module docstring)."""
 
     name = "sim"
 
@@ -91,12 +150,10 @@ class SimBackend:
         vocab_size: int = QWEN3_VOCAB_SIZE,
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         weight_update_s: float | None = None,
-        coalesce_wall_s: float = DEFAULT_COALESCE_WALL_S,
         clock: Clock | None = None,
     ) -> None:
         """`speedup`: virtual seconds per wall second (None: see `resolve_speedup`). `clock`: the scaled clock
-        (None: $PRORSA_TIME_SCALE's, read now; unset, it sets no speed-up). `coalesce_wall_s`: wall time one
-        coalesced block of decode steps may last (0: step one at a time). Raises ValueError on bad values."""
+        (None: $PRORSA_TIME_SCALE's, read now; unset, it sets no speed-up). Raises ValueError on bad values."""
         if clock is None:
             scale = scale_from_env()  # None: no scale chosen, the default speed-up applies
             clock = Clock(1.0 if scale is None else scale)
@@ -107,26 +164,25 @@ class SimBackend:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        if coalesce_wall_s < 0:
-            raise ValueError(f"coalesce_wall_s must be >= 0, got {coalesce_wall_s}")
         self.profile = profile
         self.engine_id = engine_id
         self.clock = clock
         self.speedup = speedup
-        self.coalesce_wall_s = coalesce_wall_s
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.kv_ttl_s = kv_ttl_s
         # The profile has no weight-update cost; an in-place reload is modelled like a role switch (flush + warm-up
         # with the new weights already on the hosts) unless given.
         self.weight_update_s = pm.role_switch_time_s(profile) if weight_update_s is None else weight_update_s
-        self.sched = SimScheduler(profile, role, max_model_len)
+        self.core = SoloEngine(profile, role)
+        self.core.now = self._modelled_now()
+        self._next_rid = 0
+        self._seqs: dict[str, LiveSeq] = {}  # request id → sequence, while it runs here
         self._signals: dict[str, asyncio.Event] = {}
-        self._streaming: dict[str, SimSeq] = {}  # sequences whose stream a consumer is reading
         self._done_events: dict[str, asyncio.Event] = {}  # set when the sequence ends (see wait_output)
         self._futures: dict[str, asyncio.Future[PrefillResult]] = {}
         self._wake = asyncio.Event()
-        self._deadline_s: float | None = None  # scaled monotonic time the current step ends; None when idle
+        self._planned_s: float | None = None  # the core event the engine loop waits for (None: none)
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
@@ -141,69 +197,63 @@ class SimBackend:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for rid in list(self._signals) + list(self._futures):
+        for rid in list(self._seqs):
             await self.abort(rid)
 
     # -- the Backend protocol ------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
-        seq = self._seq(request, "generate", context_tokens(request), len(request.resume_token_ids))
-        if seq.pos >= seq.end:
+        seq = self._seq(request, "generate")
+        if seq.first_pos >= seq.end:
             yield GenChunk(
                 [], None, finished=True, finish_reason=seq.end_reason, prefill=PrefillInfo(0, 0, 0.0)
             )
             return
         self._check_running()
-        self._signals[seq.request_id] = asyncio.Event()
-        self.sched.add_prefill(seq)
-        self._wake.set()
+        self._admit(seq)
+        self._sync()
+        self.core.submit(seq)
+        self._settle()
         async for chunk in self._stream(seq):
             yield chunk
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
-        seq = self._seq(request, "prefill", context_tokens(request), len(request.resume_token_ids))
-        if seq.pos >= seq.end:
+        seq = self._seq(request, "prefill")
+        if seq.first_pos >= seq.end:
             raise BackendError(f"request {request.request_id}: nothing left to generate")
         self._check_running()
         fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._futures[seq.request_id] = fut
-        self.sched.add_prefill(seq)
-        self._wake.set()
+        self._admit(seq)
+        self._sync()
+        self.core.submit(seq)
+        self._settle()
         try:
             return await fut
         finally:
             self._futures.pop(seq.request_id, None)
-            if not seq.done:
-                self.sched.remove(seq.request_id)
+            if self._seqs.get(seq.request_id) is seq:
+                self._drop(seq)
 
     async def decode(self, handoff: DecodeHandoff) -> AsyncIterator[GenChunk]:
-        request = handoff.request
-        # Context once the KV is here: the prompt plus the first token the prefill engine sampled.
-        seq = self._seq(request, "decode", context_tokens(request) + 1, len(request.resume_token_ids) + 1)
-        if seq.pos >= seq.end:
+        seq = self._seq(handoff.request, "decode")
+        if seq.next_pos >= seq.end:  # the first token, sampled by the prefill engine, was the last
             yield GenChunk([], None, finished=True, finish_reason=seq.end_reason)
             return
         self._check_kv(handoff)
         self._check_running()
-        self._signals[seq.request_id] = asyncio.Event()
-        self.sched.add_incoming(seq)
-        try:
-            await self._sleep_virtual(pm.kv_transfer_time_s(self.profile, context_tokens(request)))
-        except asyncio.CancelledError:
-            self.sched.remove(seq.request_id)
-            self._signals.pop(seq.request_id, None)
-            raise
-        if not self.sched.arrive(seq.request_id):
-            self._signals.pop(seq.request_id, None)
-            return  # aborted during the transfer
-        self._wake.set()
+        self._admit(seq)
+        self._sync()
+        self.core.receive(seq)
+        self._settle()
         async for chunk in self._stream(seq):
             yield chunk
 
     async def abort(self, request_id: str) -> None:
-        seq = self.sched.remove(request_id)
+        seq = self._seqs.get(request_id)
         if seq is not None:
             seq.aborted = True
+            self._drop(seq)
         signal = self._signals.get(request_id)
         if signal is not None:
             signal.set()
@@ -215,137 +265,205 @@ class SimBackend:
             fut.set_exception(RequestAborted(f"request {request_id} aborted"))
 
     def stats(self) -> BackendStats:
-        return self.sched.stats()
+        self._sync()
+        core = self.core
+        return BackendStats(
+            running=len(core.seqs) + len(core.active),
+            waiting=len(core.queue) + len(core.arrivals) + core.incoming,
+            kv_used_tokens=core.kv_reserved,
+            kv_capacity_tokens=self.profile.kv_capacity_tokens,
+            max_batch=self.profile.max_batch,
+            prefix_cache_tokens=core.cache.used_tokens,
+        )
 
     def expected_output_tokens(self, request: GenerateRequest) -> int:
         return output_end(request, self.max_model_len)[0]
 
     async def reload_weights(self, version: int, weights_path: str) -> None:
-        await self._sleep_virtual(self.weight_update_s)
-        self.sched.cache.clear()
+        await self._sleep_modelled(self.weight_update_s)
+        self.core.cache.clear()
 
     async def set_role(self, role: str) -> None:
-        await self._sleep_virtual(pm.role_switch_time_s(self.profile))
-        self.sched.set_role(role)
+        await self._sleep_modelled(pm.role_switch_time_s(self.profile))
+        self._sync()
+        self.core.set_role(role)
+        self._wake.set()
 
-    # -- engine loop ---------------------------------------------------------------------------------------------
+    # -- driving the core ----------------------------------------------------------------------------------------
+
+    def _modelled_now(self) -> float:
+        """The engine's modelled time now: the scaled clock times speedup / time scale."""
+        return self.clock.monotonic_s() * self.speedup / self.clock.time_scale
+
+    def _sync(self) -> None:
+        """Run the core up to now, and act on what it did."""
+        self.core.advance(self._modelled_now())
+        self._settle()
+
+    def _settle(self) -> None:
+        """Act on the core's effects: stamp prefill starts, wake streams, answer prefill futures."""
+        core = self.core
+        for seq, t in core.prefill_started:
+            seq.prefill_started_s = t  # type: ignore[attr-defined]
+        for seq, t in core.prefilled:
+            self._prefilled(seq, t)  # type: ignore[arg-type]
+        for seq, _ in core.handed_off:
+            self._answer_prefill(seq)  # type: ignore[arg-type]
+        for seq, _ in core.finished:
+            self._finished(seq)  # type: ignore[arg-type]
+        core.prefill_started.clear()
+        core.prefilled.clear()
+        core.handed_off.clear()
+        core.finished.clear()
+        nxt = core.next_event_s()
+        if nxt is not None and (self._planned_s is None or nxt < self._planned_s):
+            self._wake.set()  # the engine loop waits for a later event, or for none: it must look again
+
+    def _prefilled(self, seq: LiveSeq, t: float) -> None:
+        seq.prefilled = True
+        seq.prefill_info = PrefillInfo(
+            new_tokens=seq.to_compute_tokens,
+            cached_tokens=seq.hit_tokens,
+            prefill_s=t - seq.prefill_started_s,
+        )
+        self._notify(seq)
+
+    def _finished(self, seq: LiveSeq) -> None:
+        seq.done = True
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
+        if seq.mode == "prefill":
+            self._answer_prefill(seq)
+            return
+        self._notify(seq)
+        done = self._done_events.get(seq.request_id)
+        if done is not None:
+            done.set()
+
+    def _answer_prefill(self, seq: LiveSeq) -> None:
+        """A prefill for a remote decode is done (its KV handed off, or its first token ends the turn)."""
+        if self._seqs.get(seq.request_id) is seq:
+            del self._seqs[seq.request_id]
+        fut = self._futures.get(seq.request_id)
+        if fut is None or fut.done() or seq.prefill_info is None:
+            return
+        info = seq.prefill_info
+        token, logprob = seq.tokens.at(seq.first_pos)
+        finished = seq.first_pos + 1 >= seq.end
+        fut.set_result(
+            PrefillResult(
+                first_token_id=token,
+                first_logprob=logprob if seq.want_logprobs else None,
+                kv_transfer_params={
+                    "sim_engine": self.engine_id,
+                    "sim_expires_s": self.clock.now_s() + self._scaled_s(self.kv_ttl_s),
+                },
+                new_tokens=info.new_tokens,
+                cached_tokens=info.cached_tokens,
+                prefill_s=info.prefill_s,
+                finished=finished,
+                finish_reason=seq.end_reason if finished else "",
+            )
+        )
+
+    def _out_pos(self, seq: LiveSeq) -> int:
+        """The output position before which `seq`'s tokens are out by the core's time."""
+        if seq.done:
+            return seq.end
+        core = self.core
+        if core.seqs.get(seq.rid) is seq:
+            return seq.first_pos + 1 + min(core.steps_at(core.now), seq.target_step) - seq.start_step
+        return seq.first_pos + 1 if seq.prefilled else seq.first_pos
 
     async def _engine_loop(self) -> None:
+        """Wake the core at its next event (step end, KV arrival), or when new work may have changed it."""
         while True:
+            self._sync()
             self._wake.clear()
-            step = self.sched.plan(self.clock.monotonic_s(), self.coalesce_wall_s * self.speedup)
-            if step is None:
-                self._deadline_s = None  # idle: the next busy period starts from its own arrival
+            t = self._planned_s = self.core.next_event_s()
+            if t is None:
                 await self._wake.wait()
                 continue
-            await self._pace(step.duration_s)
-            for seq in self.sched.apply(step, self.clock.monotonic_s()):
-                self._notify(seq)
+            await _wait_event(self._wake, self.clock.wall_s(self._scaled_s(t - self.core.now)))
 
-    async def _pace(self, virtual_s: float) -> None:
-        """Wait until the deadline moved on by `virtual_s` of modelled time, counted from the previous step's
-        deadline while busy (so overhead is absorbed), never from further back than `MAX_LAG_WALL_S`."""
-        now = self.clock.monotonic_s()
-        start = now
-        if self._deadline_s is not None:
-            start = max(self._deadline_s, now - MAX_LAG_WALL_S * self.clock.time_scale)
-        self._deadline_s = start + self._scaled_s(virtual_s)
-        await self.clock.sleep_s(self._deadline_s - now)  # <= 0 when behind: still yields to the streams
+    def _scaled_s(self, modelled_s: float) -> float:
+        """Scaled seconds that `modelled_s` modelled seconds last (equal when speedup = time scale)."""
+        return modelled_s * self.clock.time_scale / self.speedup
 
-    def _scaled_s(self, virtual_s: float) -> float:
-        """Scaled seconds that `virtual_s` modelled seconds last (equal when speedup = time scale)."""
-        return virtual_s * self.clock.time_scale / self.speedup
+    async def _sleep_modelled(self, modelled_s: float) -> None:
+        await self.clock.sleep_s(self._scaled_s(modelled_s))
 
-    async def _sleep_virtual(self, virtual_s: float) -> None:
-        await self.clock.sleep_s(self._scaled_s(virtual_s))
-
-    def _notify(self, seq: SimSeq) -> None:
-        if seq.mode == "prefill":
-            fut = self._futures.get(seq.request_id)
-            if fut is not None and not fut.done() and seq.first is not None and seq.prefill_info is not None:
-                fut.set_result(self._prefill_result(seq))
-            return
+    def _notify(self, seq: LiveSeq) -> None:
         signal = self._signals.get(seq.request_id)
         if signal is not None:
             signal.set()
-        if seq.done:
-            done = self._done_events.get(seq.request_id)
-            if done is not None:
-                done.set()
 
     async def wait_output(self, request_id: str, max_wait_s: float) -> None:
         """The runner's pause between two chunks of a stream (wall seconds), cut short when the request ends: its
         last tokens leave at once instead of up to `max_wait_s` later, a delay the speed-up would multiply."""
-        seq = self._streaming.get(request_id)
+        self._sync()
+        seq = self._seqs.get(request_id)
         if seq is None or seq.done:
             return
         done = self._done_events.setdefault(request_id, asyncio.Event())
         try:
-            await asyncio.wait_for(done.wait(), max_wait_s)
-        except TimeoutError:
-            pass
+            await _wait_event(done, max_wait_s)
         finally:
             self._done_events.pop(request_id, None)
 
-    async def _stream(self, seq: SimSeq) -> AsyncIterator[GenChunk]:
+    async def _stream(self, seq: LiveSeq) -> AsyncIterator[GenChunk]:
         signal = self._signals[seq.request_id]
-        self._streaming[seq.request_id] = seq
         try:
             while True:
-                await signal.wait()
-                signal.clear()
+                self._sync()
                 if seq.aborted:
                     return
-                ids, lps = seq.take()
+                out = self._out_pos(seq)
                 info, seq.prefill_info = seq.prefill_info, None
-                finished = (
-                    seq.done
-                )  # read before yielding: the sequence may finish while the consumer holds it
-                yield GenChunk(ids, lps, finished=finished, finish_reason=seq.finish_reason, prefill=info)
-                if finished:
-                    return
+                if out > seq.next_pos or info is not None or seq.done:
+                    positions = range(seq.next_pos, out)
+                    seq.next_pos = out
+                    pairs = [seq.tokens.at(i) for i in positions]
+                    ids = [t for t, _ in pairs]
+                    lps = [lp for _, lp in pairs] if seq.want_logprobs else None
+                    finished = (
+                        seq.done
+                    )  # read before yielding: the sequence may finish while the consumer holds it
+                    reason = seq.end_reason if finished else ""
+                    yield GenChunk(ids, lps, finished=finished, finish_reason=reason, prefill=info)
+                    if finished:
+                        return
+                    continue
+                signal.clear()
+                nxt = self.core.next_event_s()
+                wait = STREAM_POLL_WALL_S
+                if nxt is not None:
+                    wait = min(wait, self.clock.wall_s(self._scaled_s(nxt - self.core.now)))
+                await _wait_event(signal, wait)
         finally:
             self._signals.pop(seq.request_id, None)
-            self._streaming.pop(seq.request_id, None)
-            if not seq.done:  # the consumer left early: free the sequence
-                self.sched.remove(seq.request_id)
+            if self._seqs.get(seq.request_id) is seq:  # the consumer left early: free the sequence
+                self._drop(seq)
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _seq(self, request: GenerateRequest, mode: SeqMode, context: int, pos: int) -> SimSeq:
-        if request.request_id in self._signals or request.request_id in self._futures:
+    def _seq(self, request: GenerateRequest, mode: SeqMode) -> LiveSeq:
+        if request.request_id in self._seqs:
             raise BackendError(f"request {request.request_id} is already running on this engine")
-        end, reason = output_end(request, self.max_model_len)
-        return SimSeq(
-            request_id=request.request_id,
-            traj_id=request.traj_id,
-            mode=mode,
-            context_tokens=context,
-            pos=pos,
-            end=end,
-            end_reason=reason,
-            tokens=SimTokens(request.request_id, self.vocab_size),
-            want_logprobs=request.sampling.logprobs,
-            cacheable_tokens=min(request.sim_cacheable_tokens, context),
-        )
+        self._next_rid += 1
+        return LiveSeq(self._next_rid, request, mode, self.max_model_len, self.vocab_size)
 
-    def _prefill_result(self, seq: SimSeq) -> PrefillResult:
-        assert seq.first is not None and seq.prefill_info is not None
-        token, logprob = seq.first
-        finished = seq.pos + 1 >= seq.end
-        return PrefillResult(
-            first_token_id=token,
-            first_logprob=logprob if seq.want_logprobs else None,
-            kv_transfer_params={
-                "sim_engine": self.engine_id,
-                "sim_expires_s": self.clock.now_s() + self._scaled_s(self.kv_ttl_s),
-            },
-            new_tokens=seq.prefill_info.new_tokens,
-            cached_tokens=seq.prefill_info.cached_tokens,
-            prefill_s=seq.prefill_info.prefill_s,
-            finished=finished,
-            finish_reason=seq.end_reason if finished else "",
-        )
+    def _admit(self, seq: LiveSeq) -> None:
+        self._seqs[seq.request_id] = seq
+        if seq.mode != "prefill":
+            self._signals[seq.request_id] = asyncio.Event()
+
+    def _drop(self, seq: LiveSeq) -> None:
+        """Take `seq` out: the core frees it at its next step boundary."""
+        del self._seqs[seq.request_id]
+        self._sync()
+        self.core.drop(seq)
+        self._settle()
 
     def _check_kv(self, handoff: DecodeHandoff) -> None:
         params = handoff.kv_transfer_params
@@ -360,3 +478,17 @@ class SimBackend:
     def _check_running(self) -> None:
         if self._task is None or self._task.done():
             raise BackendError("the simulated engine is not running (start() not called, or closed)")
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until `event` is set or `timeout_s` wall seconds pass (<= 0: just yield). Not `asyncio.wait_for`:
+    before Python 3.12 it swallows a cancellation that arrives as the event is set (cpython#86296), which left a
+    closed backend's engine loop running."""
+    if timeout_s <= 0:
+        await asyncio.sleep(0)
+        return
+    timer = asyncio.get_running_loop().call_later(timeout_s, event.set)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
