@@ -21,7 +21,10 @@ ROUTES: dict[str, str] = {
     "ToolCallFinished": "ns.lifecycle",
     "TrajectoryFinished": "ns.lifecycle",
     "GenerateRequest": "ns.work.prefill.any, or ns.work.prefill.engine.<id> for prefix affinity (stream WORK)",
-    "DecodeHandoff": "ns.work.decode.any or ns.work.decode.engine.<id> (stream WORK), published by a prefill engine",
+    "DecodeHandoff": (
+        "ns.work.decode.any (stream WORK), published by a prefill engine (or requeued by an engine handing one on); "
+        "never addressed to one engine: decode engines pull handoffs by capacity"
+    ),
     "PrefillDone": "ns.events.<engine_id> (stream EVENTS)",
     "TokenProgress": "ns.events.<engine_id>, one per engine step or ~100 ms (never one per token)",
     "RequestFinished": "ns.events.<engine_id>",

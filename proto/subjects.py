@@ -8,8 +8,7 @@ Subjects (ns = namespace):
   ns.events.<engine_id>            engine phase / progress / finished events  stream EVENTS
   ns.work.prefill.any              prefill work for any prefill-capable engine  stream WORK (work queue)
   ns.work.prefill.engine.<id>      prefill work addressed to one engine (prefix affinity)
-  ns.work.decode.any               decode handoffs for any decode engine
-  ns.work.decode.engine.<id>       decode handoffs addressed to one engine
+  ns.work.decode.any               decode handoffs (never addressed: decode engines pull them by capacity)
   ns.stats.<engine_id>             EngineStats every second (core NATS)
   ns.cmd.<engine_id>               RoleSwitchCommand, request/reply → RoleSwitchAck
   ns.ack.<engine_id>               RoleSwitchAck, also published for observers
@@ -100,9 +99,6 @@ class Subjects:
     @property
     def decode_work_any(self) -> str:
         return f"{self.namespace}.work.decode.any"
-
-    def decode_work_for(self, engine_id: str) -> str:
-        return f"{self.namespace}.work.decode.engine.{check_token(engine_id, 'engine id')}"
 
     def engine_stats(self, engine_id: str) -> str:
         return f"{self.namespace}.stats.{check_token(engine_id, 'engine id')}"

@@ -67,6 +67,9 @@ PUBLISH: dict[str, tuple[str, ...]] = {
     "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.prefill.any": ENGINES,
     "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.prefill.engine.engine-0": ENGINES,
     "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.prefill.engine.engine-1": ("engine",),
+    "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.decode.any": ENGINES,
+    # Decode handoffs are never addressed to one engine: nobody may create a consumer for such a subject.
+    "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.decode.engine.engine-0": NOBODY,
     "$JS.API.CONSUMER.CREATE.PRORSA_WORK.x.prorsa.work.>": NOBODY,
     "$JS.API.CONSUMER.CREATE.PRORSA_EVENTS.x": ("tracker",),
     "$JS.API.CONSUMER.MSG.NEXT.PRORSA_WORK.prefill-any": ENGINES,

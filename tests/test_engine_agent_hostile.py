@@ -7,8 +7,10 @@ import time
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nats.js.errors import NotFoundError
 
 import proto
 from proto import (
@@ -24,7 +26,9 @@ from tests.engine_agent_support import Watcher, make_agent, publish_work, reques
 
 ENGINE = "hostile-0"
 S = proto.Subjects()
-JS_SUBJECTS = [S.prefill_work_any, S.prefill_work_for(ENGINE), S.decode_work_any, S.decode_work_for(ENGINE)]
+JS_SUBJECTS = [S.prefill_work_any, S.prefill_work_for(ENGINE), S.decode_work_any]
+# Decode handoffs are never addressed to one engine: no engine listens on (or creates a consumer for) this subject.
+REMOVED_DECODE_ADDRESSED = f"{S.namespace}.work.decode.engine.{ENGINE}"
 CORE_SUBJECTS = [S.engine_command(ENGINE), S.policy_version]
 
 json_values = st.recursive(
@@ -111,7 +115,10 @@ async def test_hostile_payloads_never_crash_the_agent(nats_server, nc) -> None:
     await agent.start()
     try:
         assert set(JS_SUBJECTS + CORE_SUBJECTS) <= set(agent.consumed)
+        assert REMOVED_DECODE_ADDRESSED not in agent.consumed
         js = nc.jetstream()
+        with pytest.raises(NotFoundError):
+            await js.consumer_info(S.work_stream, f"decode-{ENGINE}")
         barrage = draw_barrage(50)
         for subject, payload in barrage:
             if subject in JS_SUBJECTS:

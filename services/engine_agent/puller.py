@@ -1,18 +1,19 @@
 """Pulls work for the engine's role from the JetStream WORK queue, only as much as the engine can take now.
 
 Consumers. WORK is a work-queue stream, so no two consumers may have overlapping filter subjects. Every engine
-binds the same four durables: the shared `prefill-any` / `decode-any` (filters `work.prefill.any`,
-`work.decode.any`; JetStream hands each message to exactly one of the engines fetching) and its own
-`prefill-<id>` / `decode-<id>` for work addressed to it (prefix affinity). The first engine to bind a durable
+binds the same three durables: the shared `prefill-any` / `decode-any` (filters `work.prefill.any`,
+`work.decode.any`; JetStream hands each message to exactly one of the engines fetching) and its own `prefill-<id>`
+for prompts addressed to it (prefix affinity). Decode handoffs are never addressed to one engine: prefill engines
+publish them to the shared queue and decode engines pull them by capacity. The first engine to bind a durable
 creates it with this engine's `ack_wait`, so all engines of one deployment should use the same value.
 
-Latency. Each of the four queues has its own loop, and the loops long-poll concurrently, each fetching one
+Latency. Each of the three queues has its own loop, and the loops long-poll concurrently, each fetching one
 message at a time: a message is handed to the engine the moment the server has it, whichever queue it lands on.
 (A serial round of "own queue, then shared queue" let addressed work wait out the shared queue's long poll, and a
 fetch of more than one message waits until its batch is full or its poll ends before returning any: both cost up to
 a poll interval per hop, which a time-scaled simulated engine multiplies by its speed-up.) Each loop checks the
-engine's room before fetching, so the two loops of one kind can overshoot it by one message at most. A loop
-without room sleeps until the runner frees some (`JobRunner.freed`).
+engine's room before fetching, so the two prefill loops can overshoot it by one message at most. A loop without
+room sleeps until the runner frees some (`JobRunner.freed`).
 
 Preference. A mixed engine also takes decode handoffs, but only while it holds no prompt to prefill, with a short
 poll, and after a poll that found none, not again for `decode_check_s`.
@@ -43,13 +44,17 @@ from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
 class PullConfig:
     # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
     ack_wait_s: float = 3.0
-    own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues
+    own_poll_s: float = 0.02  # mixed role: the short poll of the decode queue
     any_poll_s: float = 0.25  # long poll of every queue (a fetch returns as soon as a message arrives)
     room_wait_s: float = 0.25  # a loop without room rechecks at least this often (estimates move)
     decode_check_s: float = 0.5  # mixed role: how often to look at decode handoffs when idle
     max_fetch: int = 16
     prefill_budget_tokens: int = 32_768
     max_ack_pending: int = 100_000
+
+
+# The queues an engine pulls, as (kind, own): only prefill work is ever addressed to one engine.
+QUEUES: tuple[tuple[WorkKind, bool], ...] = (("prefill", True), ("prefill", False), ("decode", False))
 
 
 def durable_name(kind: WorkKind, engine_id: str | None) -> str:
@@ -62,7 +67,7 @@ class WorkPuller:
         self.agent = agent
         self.runner = runner
         self.config = config
-        self.subs: dict[tuple[WorkKind, bool], Any] = {}  # (kind, own) -> pull subscription
+        self.subs: dict[tuple[WorkKind, bool], Any] = {}  # (kind, own) in QUEUES -> pull subscription
         self._pause_reasons: set[str] = set()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -74,30 +79,30 @@ class WorkPuller:
 
     def subject(self, kind: WorkKind, own: bool) -> str:
         s: Subjects = self.agent.subjects
-        engine_id = self.agent.engine_id
         if kind == "prefill":
-            return s.prefill_work_for(engine_id) if own else s.prefill_work_any
-        return s.decode_work_for(engine_id) if own else s.decode_work_any
+            return s.prefill_work_for(self.agent.engine_id) if own else s.prefill_work_any
+        if own:
+            raise ValueError("decode handoffs are never addressed to one engine")
+        return s.decode_work_any
 
     async def setup(self) -> None:
-        """Bind (or create) the four durable consumers."""
+        """Bind (or create) the three durable consumers of `QUEUES`."""
         js = self.agent.js
-        for kind in ("prefill", "decode"):
-            for own in (True, False):
-                subject = self.subject(kind, own)  # type: ignore[arg-type]
-                durable = durable_name(kind, self.agent.engine_id if own else None)  # type: ignore[arg-type]
-                config = ConsumerConfig(
-                    durable_name=durable,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    ack_wait=self.config.ack_wait_s,
-                    max_ack_pending=self.config.max_ack_pending,
-                    max_deliver=WORK_MAX_DELIVER,
-                    filter_subject=subject,
-                )
-                self.subs[(kind, own)] = await js.pull_subscribe(
-                    subject, durable=durable, stream=self.agent.subjects.work_stream, config=config
-                )
-                self.agent.consumed.append(subject)
+        for kind, own in QUEUES:
+            subject = self.subject(kind, own)
+            durable = durable_name(kind, self.agent.engine_id if own else None)
+            config = ConsumerConfig(
+                durable_name=durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.config.ack_wait_s,
+                max_ack_pending=self.config.max_ack_pending,
+                max_deliver=WORK_MAX_DELIVER,
+                filter_subject=subject,
+            )
+            self.subs[(kind, own)] = await js.pull_subscribe(
+                subject, durable=durable, stream=self.agent.subjects.work_stream, config=config
+            )
+            self.agent.consumed.append(subject)
 
     async def close(self) -> None:
         """Unsubscribe the pull subscriptions (before the connection drains: a pull inbox can hold late status
@@ -131,10 +136,8 @@ class WorkPuller:
     # -- the loops -----------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """One loop per queue: (prefill | decode) × (own | shared)."""
-        await asyncio.gather(
-            *(self._queue_loop(kind, own) for kind in ("prefill", "decode") for own in (True, False))
-        )
+        """One loop per queue of `QUEUES`: own prefill, shared prefill, shared decode."""
+        await asyncio.gather(*(self._queue_loop(kind, own) for kind, own in QUEUES))
 
     async def _queue_loop(self, kind: WorkKind, own: bool) -> None:
         while True:
@@ -226,10 +229,11 @@ class WorkPuller:
                     await m.nak(delay=1.0)
         return len(msgs)
 
-    async def forward_addressed(self, kind: WorkKind) -> int:
-        """Move work addressed to this engine to the shared queue (it is leaving the role that serves it)."""
-        psub = self.subs[(kind, True)]
-        target = self.subject(kind, False)
+    async def forward_addressed(self) -> int:
+        """Move prompts addressed to this engine to the shared prefill queue (it is becoming a decode engine, which
+        does not prefill). Only prefill work is ever addressed, so there is nothing else to move."""
+        psub = self.subs[("prefill", True)]
+        target = self.subject("prefill", False)
         moved = 0
         while True:
             try:
@@ -237,7 +241,7 @@ class WorkPuller:
             except (TimeoutError, NatsTimeoutError):
                 return moved
             except BUS_ERRORS as exc:
-                self.agent.log.warning("forward_failed", kind=kind, error=repr(exc))
+                self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc))
                 return moved
             for m in msgs:
                 seq = m.metadata.sequence.stream

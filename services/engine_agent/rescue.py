@@ -10,11 +10,12 @@ listen as well; but anyone may bind the existing durable.
 How. Every engine already receives every engine's `EngineStats` (about one per `stats_interval_s`). `PeerWatch`
 (pure) calls an engine dead once its stats stop for `dead_after_s` (a few intervals) and names one rescuer for it:
 the live engine with the smallest id (every engine computes the same from the same stats; a transient disagreement
-only means two rescuers, which is harmless, see below). The rescuer binds the dead engine's two addressed durables
-and moves whatever they hold, now or later, to the shared queues (`work.prefill.any`, `work.decode.any`), where any
-engine takes it; it stops once the engine's stats are back (a replacement of the same id) or after `forget_after_s`.
-A moved message is published with the message id `fwd:<subject>:<stream seq>` before the original is acked, so two
-rescuers, a lost ack or a redelivery never duplicate it (JetStream drops the second publish).
+only means two rescuers, which is harmless, see below). The rescuer binds the dead engine's addressed durable
+(`prefill-<id>`: only prefill work is ever addressed; decode handoffs go to the shared queue) and moves whatever it
+holds, now or later, to the shared queue `work.prefill.any`, where any engine takes it; it stops once the engine's
+stats are back (a replacement of the same id) or after `forget_after_s`. A moved message is published with the
+message id `fwd:<subject>:<stream seq>` before the original is acked, so two rescuers, a lost ack or a redelivery
+never duplicate it (JetStream drops the second publish).
 
 Timing. With the defaults (stats every 1 s, dead after 3 s, ack_wait 3 s with in-progress heartbeats every 1 s),
 addressed work reaches the shared queue ≤ ~3.5 s after the kill, and the work the dead engine held from the shared
@@ -35,7 +36,6 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 
 from proto import EngineStats, Message
-from services.engine_agent.pull_capacity import WorkKind
 from services.engine_agent.puller import durable_name
 from services.runtime.bus import BUS_ERRORS
 
@@ -78,8 +78,8 @@ class AddressedRescue:
         self.poll_s = poll_s
         self._mono = mono  # wall seconds: stats arrive on a wall cadence, whatever the engine's time scale
         self.errors = 0
-        self.subs: dict[tuple[str, WorkKind], Any] = {}  # (dead engine, kind) -> bound pull subscription
-        self.moved = 0  # messages moved to the shared queues
+        self.subs: dict[str, Any] = {}  # dead engine -> its bound `prefill-<id>` pull subscription
+        self.moved = 0  # messages moved to the shared queue
         self.rescued: set[str] = set()  # engines whose work this engine moved at least once
 
     async def on_stats(self, msg: Message, raw: Any) -> None:
@@ -91,48 +91,45 @@ class AddressedRescue:
         while True:
             await asyncio.sleep(self.poll_s)  # wall cadence: it paces I/O
             targets = set(self.watch.to_rescue(self._mono()))
-            for key in [k for k in self.subs if k[0] not in targets]:
-                await self._unbind(key)
+            for engine_id in [e for e in self.subs if e not in targets]:
+                await self._unbind(engine_id)
             for engine_id in sorted(targets):
-                for kind in ("prefill", "decode"):
-                    try:
-                        await self._forward(engine_id, kind)  # type: ignore[arg-type]
-                    except NatsError as exc:  # disconnected, or the shared queue is full: next round
-                        self.errors += 1
-                        self.agent.log.debug("rescue_failed", dead_engine=engine_id, error=repr(exc))
+                try:
+                    await self._forward(engine_id)
+                except NatsError as exc:  # disconnected, or the shared queue is full: next round
+                    self.errors += 1
+                    self.agent.log.debug("rescue_failed", dead_engine=engine_id, error=repr(exc))
 
     async def close(self) -> None:
-        for key in list(self.subs):
-            await self._unbind(key)
+        for engine_id in list(self.subs):
+            await self._unbind(engine_id)
 
-    async def _bind(self, engine_id: str, kind: WorkKind) -> Any:
-        key = (engine_id, kind)
-        if key not in self.subs:
+    async def _bind(self, engine_id: str) -> Any:
+        if engine_id not in self.subs:
             try:
-                self.subs[key] = await self.agent.js.pull_subscribe_bind(
-                    durable=durable_name(kind, engine_id), stream=self.agent.subjects.work_stream
+                self.subs[engine_id] = await self.agent.js.pull_subscribe_bind(
+                    durable=durable_name("prefill", engine_id), stream=self.agent.subjects.work_stream
                 )
             except NotFoundError:
-                return None  # that engine never bound this queue: nothing can wait there
-        return self.subs[key]
+                return None  # that engine never bound its queue: nothing can wait there
+        return self.subs[engine_id]
 
-    async def _unbind(self, key: tuple[str, WorkKind]) -> None:
-        psub = self.subs.pop(key)
+    async def _unbind(self, engine_id: str) -> None:
+        psub = self.subs.pop(engine_id)
         with contextlib.suppress(*BUS_ERRORS):  # best effort: the connection may be gone already
             await psub.unsubscribe()
 
-    async def _forward(self, engine_id: str, kind: WorkKind) -> None:
-        psub = await self._bind(engine_id, kind)
+    async def _forward(self, engine_id: str) -> None:
+        psub = await self._bind(engine_id)
         if psub is None:
             return
-        s = self.agent.subjects
-        target = s.prefill_work_any if kind == "prefill" else s.decode_work_any
+        target = self.agent.subjects.prefill_work_any
         try:
             msgs = await psub.fetch(16, timeout=0.05)
         except (TimeoutError, NatsTimeoutError):
             return
         except NotFoundError:
-            self.subs.pop((engine_id, kind), None)
+            self.subs.pop(engine_id, None)
             return
         for m in msgs:
             seq = m.metadata.sequence.stream
@@ -140,4 +137,6 @@ class AddressedRescue:
             await m.ack()
             self.moved += 1
             self.rescued.add(engine_id)
-            self.agent.log.info("addressed_work_rescued", dead_engine=engine_id, kind=kind, stream_seq=seq)
+            self.agent.log.info(
+                "addressed_work_rescued", dead_engine=engine_id, kind="prefill", stream_seq=seq
+            )

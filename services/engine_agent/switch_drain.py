@@ -2,7 +2,8 @@
 
 A switch (the epoch decision is `role_state`'s; this only executes an accepted command):
 1. pulling is already paused by the caller; wait until no fetch is in flight;
-2. work queued for this engine by address that the new role will not pull moves to the shared queue;
+2. prompts queued for this engine by address (`work.prefill.engine.<id>`, the only addressed queue) move to the
+   shared prefill queue if the new role is decode, which does not prefill;
 3. every held request meets its `role_state.job_fate`: prefills finish (the batch completes); decodes the new role
    also serves keep running; other decodes finish if expected to end within the command's `drain_timeout_s` and
    migrate otherwise (`pull_capacity.plan_drain`, from each request's observed inter-token time);
@@ -35,9 +36,7 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
     old, new = agent.role, cmd.role
     await puller.wait_idle()
     if old != "decode" and new == "decode":
-        await puller.forward_addressed("prefill")
-    if old != "prefill" and new == "prefill":
-        await puller.forward_addressed("decode")
+        await puller.forward_addressed()
     jobs: list[Job] = list(runner.jobs.values())
     by_id = {j.request_id: j for j in jobs}
     finishing = [j for j in jobs if job_fate(j.kind, new) == "finish"]

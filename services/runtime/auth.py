@@ -115,7 +115,6 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
     """`engine_id` "*" (any engine: a scaled deployment whose ids are host names) or one engine's id."""
     ns, w = s.namespace, s.work_stream
     own_prefill = f"{ns}.work.prefill.engine.{engine_id}"
-    own_decode = f"{ns}.work.decode.engine.{engine_id}"
     return _Grants(
         publish=[
             f"{ns}.events.{engine_id}",
@@ -127,11 +126,11 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
             *_pull(
                 w,
                 [
-                    # Durable names are free; the filter (what the consumer takes) is not.
+                    # Durable names are free; the filter (what the consumer takes) is not. Only prefill work is
+                    # ever addressed to one engine: decode handoffs are pulled from the shared queue by capacity.
                     f"{JS_API}.CONSUMER.CREATE.{w}.*.{s.prefill_work_any}",
                     f"{JS_API}.CONSUMER.CREATE.{w}.*.{s.decode_work_any}",
                     f"{JS_API}.CONSUMER.CREATE.{w}.*.{own_prefill}",
-                    f"{JS_API}.CONSUMER.CREATE.{w}.*.{own_decode}",
                 ],
             ),
         ],
