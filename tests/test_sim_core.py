@@ -170,7 +170,9 @@ def test_role_switches_drain_migrate_and_still_conserve_tokens():
 
 def test_async_overlaps_training_and_staleness_zero_aborts():
     specs = _multi_turn(n=12)
-    base = dict(workload=FixedWorkload(specs), engines=4, policy="colocated", steps=3, training_s=30.0)
+    # Training (10 s) shorter than a step's rollout: the next step's trajectories are mid-way when weights update,
+    # so with staleness 0 those that submit a turn afterwards restart.
+    base = dict(workload=FixedWorkload(specs), engines=4, policy="colocated", steps=3, training_s=10.0)
     sync = run_simulation(SimConfig(mode="sync", **base)).to_json()
     relaxed = run_simulation(SimConfig(mode="async", staleness=1, **base)).to_json()
     strict = run_simulation(SimConfig(mode="async", staleness=0, **base)).to_json()

@@ -30,6 +30,7 @@ import proto
 from prorsa.client import GenerateError, RolloutClient
 from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.rollout.metrics import RolloutMetrics, TrajectoryRecord
+from prorsa.staleness import must_restart
 from prorsa.workload.types import TrajectorySpec
 from proto import PolicyVersionUpdate, SamplingParams
 from services.runtime.logging import get_logger
@@ -82,7 +83,7 @@ class RolloutDriver:
         training: asyncio.Task | None = None
         for batch in steps:
             t_step = self.now_v()
-            await asyncio.gather(*(self._trajectory(spec, total) for spec in batch))
+            await asyncio.gather(*(self._trajectory(spec, total, t_step) for spec in batch))
             self.metrics.step_rollout_s.append(self.now_v() - t_step)
             if self.config.mode == "sync":
                 await self._train()
@@ -101,8 +102,10 @@ class RolloutDriver:
         update = PolicyVersionUpdate(version=self.version, ts_s=self.clock.now_s())
         await self.client.nc.publish(self.client.subjects.policy_version, proto.encode(update))
 
-    async def _trajectory(self, spec: TrajectorySpec, total: int) -> None:
+    async def _trajectory(self, spec: TrajectorySpec, total: int, t_step: float) -> None:
+        """Run one trajectory from its arrival (`arrival_s` after its step began, as the simulator submits it)."""
         rec = self.metrics.records[spec.traj_id]
+        await self.clock.sleep_s(t_step + spec.arrival_s - self.now_v())
         rec.start_s = self.now_v()
         attempt = 0
         while not await self._attempt(spec, rec, attempt):
@@ -130,7 +133,7 @@ class RolloutDriver:
         rec.turns_done = rec.prompt_tokens = rec.cached_tokens = rec.output_tokens = rec.tool_calls = 0
         rec.ttft_s = rec.generate_s = rec.tool_s = 0.0
         for k, turn in enumerate(spec.turns):
-            if cfg.mode == "async" and self.version - version > cfg.staleness:
+            if must_restart(cfg.mode, cfg.staleness, self.version, version):
                 await traj.finish(status="aborted")
                 return False
             new = self._scaled(turn.new_prompt_tokens) if k else max(1, self._scaled(turn.new_prompt_tokens))

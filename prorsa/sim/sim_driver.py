@@ -9,11 +9,10 @@ Modes:
 * `sync`: a step's whole batch must finish; then the trainer trains for `training_s` while rollout idles; then
   the weights update (policy version + 1, every prefix cache cleared) and the next step starts.
 * `async` with staleness k: when a step's batch has finished, the next step is submitted at once (rollout goes on
-  while the trainer trains; batches queue for the trainer in order). Each weights update aborts every trajectory
-  in flight that was started more than k versions ago and restarts it from turn 0 under the new weights (work
-  done so far is counted as wasted). Choice: restart rather than resume, because resuming would mix tokens of
-  two policies in one trajectory, which bounded-staleness trainers exclude. Since a step is submitted only when
-  the previous batch is done, k = 0 aborts the trajectories that overlap a training phase; k ≥ 1 aborts only when
+  while the trainer trains; batches queue for the trainer in order). A trajectory started more than k versions
+  ago restarts from turn 0 under the new weights when it next submits a turn (`prorsa.staleness`, the rule the
+  live driver applies too; work done so far is counted as wasted). Since a step is submitted only when the
+  previous batch is done, k = 0 restarts the trajectories that overlap a training phase; k ≥ 1 restarts only when
   training falls more than k batches behind rollout.
 The run ends when `steps` batches have been trained, or at `duration_s` of virtual time, whichever comes first.
 """
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from prorsa.sim import events as ev
 from prorsa.sim.state import Request, Traj
+from prorsa.staleness import must_restart
 from prorsa.workload.types import TrajectorySpec
 
 if TYPE_CHECKING:
@@ -106,6 +106,10 @@ class Driver:
         sim = self.sim
         turn = traj.spec.turns[traj.turn]
         observed = sim.observer is not None
+        config = sim.config
+        if traj.turn and must_restart(config.mode, config.staleness, self.version, traj.version):
+            self._abort(traj, now)
+            return
         if traj.turn == 0:
             traj.start_s = now
             traj.version = self.version
@@ -210,14 +214,7 @@ class Driver:
         if self.sim.config.mode == "sync":
             self._submit_step(now)
         else:
-            self._abort_stale(now)
             self._start_training(now)
-
-    def _abort_stale(self, now: float) -> None:
-        limit = self.sim.config.staleness
-        stale = [t for t in self.live_trajs.values() if t.start_s >= 0 and self.version - t.version > limit]
-        for traj in stale:
-            self._abort(traj, now)
 
     def _abort(self, traj: Traj, now: float) -> None:
         traj.alive = False
@@ -225,11 +222,6 @@ class Driver:
         metrics = self.sim.metrics
         metrics.trajectories_aborted += 1
         metrics.wasted_decoded_tokens += traj.decoded_tokens
-        req = traj.request
-        if req is not None:
-            req.cancelled = True
-            if req.engine is not None:
-                req.engine.cancel(now)
         self.sim.emit(ev.TRAJECTORY_ABORTED, traj, now, reason="stale", policy_version=traj.version)
         self._start_attempt(traj.spec, traj.step, traj.attempt + 1, now)
 
