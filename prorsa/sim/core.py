@@ -21,7 +21,9 @@ from prorsa.sim.router import Router
 from prorsa.sim.sim_driver import Driver, StepSource
 from prorsa.sim.state import Request, Traj
 from prorsa.sim.views import DemandFeed, ViewBuilder
+from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, FixedRolesPolicy
+from services.allocator.switch_coordinator import SwitchCoordinator
 from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ class Simulation:
             self.router.engine_available(engine, 0.0)
         self.now = 0.0
         self.plans_applied = 0
+        self.coord = SwitchCoordinator()  # the live allocator's gate on role switches (`apply_plan`)
         self.feed = feed  # fills the views' forecast and snapshot (None: the policy reads neither)
         self._views = ViewBuilder(self, feed)
         self.events_processed = 0
@@ -268,9 +271,23 @@ class Simulation:
     def _policy_tick(self, now: float) -> None:
         fixed = self._fixed_roles
         if fixed is None or any((e.target_role or e.role) != fixed[i] for i, e in self.engines.items()):
-            plan = self.policy.decide(self.cluster_view(now))
+            view = self.cluster_view(now)
+            plan = self.policy.decide(view)
             if plan is not None:
                 self.plans_applied += 1
-                for engine_id, role in plan.roles.items():
-                    self.engines[engine_id].request_switch(role, now)
+                self.apply_plan(plan.roles, view, now)
         self.queue.push(now + self.policy.interval_s, ev.POLICY_TICK)
+
+    def apply_plan(self, roles: dict[str, str], view: ClusterView, now: float) -> None:
+        """Move engines toward `roles` as the live allocator does: through its `SwitchCoordinator` (one command in
+        flight per engine, at most a quarter of the fleet switching at once, never a role emptied while it has
+        demand), fed with the stats every engine would publish now."""
+        coord = self.coord
+        for engine in self.engines.values():
+            coord.observe_stats(engine.stats(now), now)
+        target = {
+            e: r for e, r in roles.items() if (self.engines[e].target_role or self.engines[e].role) != r
+        }
+        prefill_demand, decode_demand = role_demand(view)
+        for cmd in coord.commands_for(target, now, prefill_demand, decode_demand):
+            self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from prorsa.sim import events as ev
 from prorsa.sim.engine_switching import RoleSwitching
 from prorsa.sim.metrics import spread
+from proto import EngineStats
 from services.engine_agent.engine_core import ACTIVE, DRAINING, JUMP, RECONFIG, CoreSeq, EngineCore
 from services.runtime.perf_model import ModelProfile
 
@@ -33,7 +34,7 @@ class SimEngine(RoleSwitching, EngineCore):
     """An engine core inside the simulator. All methods take the current virtual time `now`."""
 
     __slots__ = ("engine_id", "sim", "router", "metrics", "target_role", "_push", "_heap", "_due", "_more")
-    __slots__ += ("_observed", "_turn_done")
+    __slots__ += ("_observed", "_turn_done", "epoch", "pending_epoch")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         super().__init__(profile, role)
@@ -48,7 +49,24 @@ class SimEngine(RoleSwitching, EngineCore):
         self._observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
         self._turn_done = sim.driver.on_turn_done
         self.target_role = ""
+        self.epoch = 0  # newest role-switch command applied (what its stats would report)
+        self.pending_epoch = 0  # newest command received
         self.waiting_handoffs = sim.router.handoffs
+
+    def stats(self, now: float) -> EngineStats:
+        """What this engine's agent would publish now (the fields the switch coordinator reads)."""
+        return EngineStats(
+            engine_id=self.engine_id,
+            ts_s=now,
+            role=self.role,  # type: ignore[arg-type]
+            epoch=self.epoch,
+            running=len(self.seqs) + len(self.active),
+            waiting=len(self.queue) + len(self.arrivals) + self.incoming,
+            kv_used_tokens=self.kv_reserved,
+            kv_capacity_tokens=self.p.kv_capacity_tokens,
+            switching=self.state != ACTIVE,
+            in_flight_tokens=self.tokens_in_flight(),
+        )
 
     # -- the core's hooks ---------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Role switching of a simulated engine: drain, reconfigure, rejoin (mixed into `SimEngine`).
 
-`request_switch(role, now)`: the engine leaves the router's pools (queued, unstarted prompts are re-routed),
+`request_switch(role, now, epoch)`: the engine leaves the router's pools (queued, unstarted prompts are re-routed),
 finishes prefills in progress, keeps decodes expected to finish within `drain_bound_s` and migrates the others
 (re-queued for prefill elsewhere with their context recomputed); handoffs that arrive while draining are forwarded
 to another decode engine. Drained, it reconfigures for `role_switch_s` and rejoins in its new role; its prefix
@@ -26,13 +26,16 @@ class RoleSwitching:
 
     __slots__ = ()
 
-    def request_switch(self: SimEngine, role: str, now: float) -> None:
-        """Start moving to `role` (see the module docstring for the draining rules)."""
+    def request_switch(self: SimEngine, role: str, now: float, epoch: int = 0) -> None:
+        """Start moving to `role` under command `epoch` (see the module docstring for the draining rules); the
+        engine reports `epoch` as applied once it serves `role`."""
+        self.pending_epoch = max(self.pending_epoch, epoch)
         if self.state == RECONFIG:
             self.target_role = role
             return
         if role == self.role:
             if self.state == DRAINING:  # switch cancelled before it happened
+                self.epoch = self.pending_epoch
                 self.state, self.target_role = ACTIVE, ""
                 self.router.engine_available(self, now)
                 self._poke(now)
@@ -75,6 +78,6 @@ class RoleSwitching:
         self.metrics.role_change(now, "switching", self.target_role, self.engine_id)
         self.metrics.role_switches += 1
         self.set_role(self.target_role)  # drained: nothing holds KV
-        self.target_role, self.state = "", ACTIVE
+        self.target_role, self.state, self.epoch = "", ACTIVE, self.pending_epoch
         self.router.engine_available(self, now)
         self._poke(now)

@@ -88,8 +88,7 @@ class HindsightOracle(AllocatorPolicy):
         assert sim is not None
         fork = sim.fork(_Hold())
         fork.now = view.now
-        for engine_id, role in moves_for_split(view, split).items():
-            fork.engines[engine_id].request_switch(role, view.now)
+        fork.apply_plan(moves_for_split(view, split), view, view.now)
         self.forks += 1
         return judge(sim, fork, view.now, view.now + self.lookahead_s)
 
