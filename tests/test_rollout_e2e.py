@@ -118,14 +118,16 @@ async def test_verl_and_areal_shaped_adapters(system) -> None:
     ("policy", "roles"), [("colocated", ("mixed", "mixed")), ("static:1:1", ("prefill", "decode"))]
 )
 async def test_live_timings_match_the_simulator(nats_server, monkeypatch, policy: str, roles: tuple) -> None:
-    """Same trajectories, same profile, two engines colocated or split: average trajectory time within 25 % of the
-    simulator at a 20× time scale (measured 1.10× colocated, 1.08× split on a loaded 2-core machine).
+    """Same trajectories, same profile, two engines colocated or split: average trajectory time within 10 % of the
+    simulator at a 10× time scale (measured 1.03-1.04× on a 2-core machine with both cores busy elsewhere): both
+    run the one engine core, so what is left is the live path's own latency, multiplied by the scale (at 20× the
+    same runs measured 1.04-1.05× idle, 1.10-1.13× loaded).
 
     The scale is high on purpose: every wall-clock delay of the live path (bus round trips, how engines poll the
     work queues) is multiplied by it into virtual seconds the simulator does not have. Engines that took work
     queue by queue with blocking polls measured 1.35× here (and 2.5× in a 40× demo) before each queue got its own
     long poll (`services/engine_agent/puller.py`)."""
-    monkeypatch.setenv("PRORSA_TIME_SCALE", "20")
+    monkeypatch.setenv("PRORSA_TIME_SCALE", "10")
     agents = [make_agent(nats_server.url, f"e{i}", role, speedup=None) for i, role in enumerate(roles)]
     for a in agents:
         await a.start()
@@ -151,7 +153,7 @@ async def test_live_timings_match_the_simulator(nats_server, monkeypatch, policy
     print(
         f"live {live['avg_trajectory_s']:.2f} s vs simulated {sim['avg_trajectory_s']:.2f} s: ratio {ratio:.2f}"
     )
-    assert 0.8 < ratio < 1.25
+    assert 0.9 < ratio < 1.1
 
 
 async def test_trajectory_completes_when_its_engine_is_killed_mid_turn(nats_server) -> None:
