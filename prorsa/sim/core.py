@@ -62,7 +62,8 @@ class Simulation:
             self.router.engine_available(engine, 0.0)
         self.now = 0.0
         self.plans_applied = 0
-        self.coord = SwitchCoordinator()  # the live allocator's gate on role switches (`apply_plan`)
+        # The live allocator's gate on role switches (`apply_plan`); its commands carry the run's drain bound.
+        self.coord = SwitchCoordinator(drain_timeout_s=config.drain_bound_s)
         self.feed = feed  # fills the views' forecast and snapshot (None: the policy reads neither)
         self._views = ViewBuilder(self, feed)
         self.events_processed = 0
@@ -290,4 +291,4 @@ class Simulation:
         }
         prefill_demand, decode_demand = role_demand(view)
         for cmd in coord.commands_for(target, now, prefill_demand, decode_demand):
-            self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch)
+            self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch, cmd.drain_timeout_s)

@@ -34,7 +34,7 @@ class SimEngine(RoleSwitching, EngineCore):
     """An engine core inside the simulator. All methods take the current virtual time `now`."""
 
     __slots__ = ("engine_id", "sim", "router", "metrics", "target_role", "_push", "_heap", "_due", "_more")
-    __slots__ += ("_observed", "_turn_done", "epoch", "pending_epoch")
+    __slots__ += ("_observed", "_turn_done", "epoch", "pending_epoch", "drain_bound_s")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         super().__init__(profile, role)
@@ -51,6 +51,7 @@ class SimEngine(RoleSwitching, EngineCore):
         self.target_role = ""
         self.epoch = 0  # newest role-switch command applied (what its stats would report)
         self.pending_epoch = 0  # newest command received
+        self.drain_bound_s = sim.config.drain_bound_s  # the switch command's drain timeout
         self.waiting_handoffs = sim.router.handoffs
 
     def stats(self, now: float) -> EngineStats:

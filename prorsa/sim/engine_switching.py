@@ -26,10 +26,14 @@ class RoleSwitching:
 
     __slots__ = ()
 
-    def request_switch(self: SimEngine, role: str, now: float, epoch: int = 0) -> None:
+    def request_switch(
+        self: SimEngine, role: str, now: float, epoch: int = 0, drain_bound_s: float | None = None
+    ) -> None:
         """Start moving to `role` under command `epoch` (see the module docstring for the draining rules); the
-        engine reports `epoch` as applied once it serves `role`."""
+        engine reports `epoch` as applied once it serves `role`. `drain_bound_s`: the command's drain timeout
+        (None: the run's `drain_bound_s`)."""
         self.pending_epoch = max(self.pending_epoch, epoch)
+        self.drain_bound_s = self.sim.config.drain_bound_s if drain_bound_s is None else drain_bound_s
         if self.state == RECONFIG:
             self.target_role = role
             return
@@ -57,7 +61,7 @@ class RoleSwitching:
             return
         batch = len(self.seqs)
         step_s = self._cost.decode_step_s(batch, self._ctx_base + batch * self.steps_done)
-        bound = self.sim.config.drain_bound_s
+        bound = self.drain_bound_s
         leaving = [r for r in self.seqs.values() if (r.target_step - self.steps_done) * step_s > bound]
         for req in leaving:
             decoded = self.decoded_so_far(req)
