@@ -333,6 +333,30 @@ async def test_hostile_payloads_on_every_consumed_subject_do_not_crash_it(bus) -
         await stop_all(svc, engines)
 
 
+async def test_a_bug_in_a_decision_is_surfaced_and_the_loop_decides_on(bus) -> None:
+    url, nc, watcher = bus
+    engines = await fleet(nc, {"e0": "mixed", "e1": "mixed"})
+    svc = allocator(url)
+    real_tick = svc.tick
+    seen: list[str] = []  # the health status at the start of each tick
+
+    async def buggy_tick() -> list[RoleSwitchCommand]:
+        seen.append(svc.health_status)
+        if len(seen) <= 2:
+            raise KeyError("our bug")
+        return await real_tick()
+
+    svc.tick = buggy_tick  # type: ignore[method-assign]
+    await svc.start()
+    try:
+        await until(lambda: len(watcher.plans) >= 1)  # the loop went on
+        assert svc.metrics.error_counts.get("tick") == 2
+        assert seen[:3] == ["ok", "degraded", "degraded"]  # surfaced until a tick succeeds
+        assert svc.health_status == "ok" and not svc.bugs
+    finally:
+        await stop_all(svc, engines)
+
+
 async def test_a_policy_that_does_not_fit_the_fleet_degrades_without_commands(bus) -> None:
     url, nc, watcher = bus
     engines = await fleet(nc, {"e0": "mixed", "e1": "mixed"})

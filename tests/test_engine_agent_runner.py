@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from proto import DecodeHandoff, GenerateRequest, Message, RequestFinished, Subjects, TokenChunk
+from services.engine_agent.backend import BackendError
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.runner import JobRunner
 from services.runtime.model_profiles import load_profile
@@ -56,6 +57,7 @@ class FakeAgent:
         )
         self.metrics = SimpleNamespace(count_error=lambda kind: self.errors.append(kind))
         self.errors: list[str] = []
+        self.bugs: dict[str, str] = {}
         self._role = role
         self.published: list[tuple[str, Message]] = []
         self.stored: list[tuple[str, Message, str | None]] = []
@@ -78,6 +80,15 @@ class FakeAgent:
     async def reject(self, msg: Any, kind: str, error: str, field: str = "", request_id: str = "") -> None:
         self.errors.append(kind)
         await msg.term()
+
+    def note_bug(
+        self, kind: str, exc: BaseException, /, where: str = "", event: str = "", **fields: Any
+    ) -> None:
+        self.errors.append(kind)
+        self.bugs[kind] = repr(exc)
+
+    def clear_bug(self, kind: str, where: str = "") -> None:
+        self.bugs.pop(kind, None)
 
     def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -160,7 +171,7 @@ async def test_engine_errors_are_redelivered_then_failed(backend: SimBackend) ->
     runner = JobRunner(agent, chunk_interval_s=0.0)  # type: ignore[arg-type]
 
     async def broken(req: GenerateRequest) -> Any:
-        raise RuntimeError("engine fell over")
+        raise BackendError("engine fell over")
         yield  # pragma: no cover - makes this an async generator
 
     backend.generate = broken  # type: ignore[method-assign]
@@ -170,3 +181,28 @@ async def test_engine_errors_are_redelivered_then_failed(backend: SimBackend) ->
     await wait_until(lambda: not runner.jobs)
     assert early.acks == ["nak"]  # transient: redelivered
     assert late.acks == ["term"] and agent.chunks("e2")[-1].finish_reason == "error"
+    assert "job" not in agent.errors and not agent.bugs  # the engine's failure, not our bug
+
+
+async def test_our_bug_in_a_job_is_surfaced_and_the_request_still_answered(backend: SimBackend) -> None:
+    agent = FakeAgent("mixed", backend)
+    runner = JobRunner(agent, chunk_interval_s=0.0)  # type: ignore[arg-type]
+    real_generate = backend.generate
+
+    def buggy(req: GenerateRequest) -> Any:
+        if req.request_id.startswith("bug"):
+            raise KeyError("our bug")
+        return real_generate(req)
+
+    backend.generate = buggy  # type: ignore[method-assign]
+    early, late = FakeMsg(stream_seq=1, delivered=1), FakeMsg(stream_seq=2, delivered=3)
+    await runner.admit(request("bug1", 10), early)
+    await runner.admit(request("bug2", 10), late)
+    await wait_until(lambda: not runner.jobs)
+    assert early.acks == ["nak"]  # redelivered, then failed for good: never lost
+    assert late.acks == ["term"] and agent.chunks("bug2")[-1].finish_reason == "error"
+    assert agent.errors.count("job") == 2 and "KeyError" in agent.bugs["job"]
+    ok = FakeMsg(stream_seq=3)
+    await runner.admit(request("fine", 5), ok)
+    await wait_until(lambda: not runner.jobs)
+    assert ok.acks == ["ack"] and not agent.bugs  # the next good job clears it from health

@@ -97,6 +97,44 @@ async def test_a_service_whose_task_died_reports_unhealthy(nats_server: Embedded
         await svc.stop()
 
 
+class Buggy(Service):
+    """A handler with a bug on one trajectory id."""
+
+    name = "buggy"
+
+    async def setup(self) -> None:
+        self.seen: list[str] = []
+        await self.subscribe(S.lifecycle, self._on_started, TrajectoryStarted)
+
+    async def _on_started(self, msg: proto.Message, raw: object) -> None:
+        assert isinstance(msg, TrajectoryStarted)
+        if msg.traj_id == "bug":
+            raise KeyError("our bug")
+        self.seen.append(msg.traj_id)
+
+
+async def test_a_handler_bug_is_surfaced_in_health_until_the_handler_succeeds(
+    nats_server: EmbeddedNatsServer,
+) -> None:
+    svc = Buggy(nats_server.url, instance_id="buggy-1")
+    await svc.start()
+    nc = await nats.connect(nats_server.url)
+    try:
+        started = TrajectoryStarted(traj_id="bug", ts_s=time.time(), source="c", seq=1)
+        await nc.publish(S.lifecycle, proto.encode(started))
+        await wait_until(lambda: svc.metrics.error_counts.get("handler") == 1, timeout_s=5)
+        (reply,) = await gather_health(nats_server.url, wait_s=0.3)
+        assert reply.status == "degraded" and "KeyError" in reply.details["bugs"][f"handler:{S.lifecycle}"]
+        assert svc.bad_input == 0  # our bug, not bad input
+        good = TrajectoryStarted(traj_id="good", ts_s=time.time(), source="c", seq=2)
+        await nc.publish(S.lifecycle, proto.encode(good))
+        await wait_until(lambda: svc.seen == ["good"], timeout_s=5)
+        assert svc.health_status == "ok" and not svc.bugs
+    finally:
+        await nc.close()
+        await svc.stop()
+
+
 async def test_health_answers_only_a_valid_request(nats_server: EmbeddedNatsServer) -> None:
     services = [Crashy(nats_server.url, instance_id=f"h-{i}") for i in range(3)]
     for s in services:

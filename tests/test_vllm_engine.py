@@ -4,19 +4,23 @@ protocol paths that never reach the engine (nothing left to generate, an expired
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 
 from proto import DecodeHandoff, GenerateRequest, SamplingParams
-from services.engine_agent.backend import Backend, KvUnavailable
+from services.engine_agent.backend import Backend, BackendError, KvUnavailable
 from services.engine_agent.backends.vllm_backend import VllmBackend
 from services.engine_agent.backends.vllm_chunks import StreamState
 from services.engine_agent.backends.vllm_engine import (
+    VllmEngine,
     VllmEngineConfig,
     _engine_env,
     _environment,
+    _vllm_errors,
     request_seed,
 )
 from services.engine_agent.backends.vllm_stats import EngineStatsBox
@@ -155,3 +159,44 @@ async def test_the_kv_lease_is_read_on_the_shared_clock_when_it_is_compressed() 
     with pytest.raises(KvUnavailable):
         backend._check_lease(handoff(CONFIG.kv_lease_s))
     backend._check_lease(handoff(0.5 * CONFIG.kv_lease_s))  # within the lease's safe part: no error
+
+
+class _FailingLlm:
+    """An AsyncLLM whose every call raises `exc`."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def abort(self, request_id: str) -> None:
+        raise self.exc
+
+    async def pause_generation(self, **kw: object) -> None:
+        raise self.exc
+
+
+@pytest.fixture
+def without_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """vLLM's own error classes unimportable (as where it is not installed): no slow import of vLLM here."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    _vllm_errors.cache_clear()
+    yield
+    _vllm_errors.cache_clear()  # a later caller imports the real classes
+
+
+@pytest.mark.parametrize("call", ["abort", "reload"])
+async def test_engine_failures_become_backend_errors_and_our_bugs_propagate(
+    call: str, without_vllm: None
+) -> None:
+    engine = VllmEngine(CONFIG)
+
+    async def run(exc: Exception) -> None:
+        engine._llm = _FailingLlm(exc)
+        await (engine.abort("r") if call == "abort" else engine.reload_weights())
+
+    for engine_failure in (OSError("socket gone"), ValueError("refused"), RuntimeError("engine core died")):
+        with pytest.raises(BackendError) as info:
+            await run(engine_failure)
+        assert info.value.__cause__ is engine_failure
+    with pytest.raises(TypeError):  # our bug: not disguised as the engine's
+        await run(TypeError("our bug"))
+    engine._llm = None

@@ -228,9 +228,15 @@ class AllocatorService(Service):
             await self.clock.sleep_s(self.interval_s)  # the policy's interval is in (scaled) seconds
             try:
                 await self.tick()
-            except Exception as exc:  # one bad decision must not end the loop
-                self.metrics.count_error("tick")
-                self.log.exception("tick_failed", error=repr(exc))
+            except BUS_ERRORS as exc:  # the plan could not be published: the next tick decides again
+                self.metrics.count_error("tick_bus")
+                self.log.warning("tick_bus_error", error=repr(exc))
+            except Exception as exc:
+                # Broad on purpose: a dead decision loop would freeze every engine in its role, silently. Our
+                # bug is surfaced instead (logged, counted, "degraded" until a tick succeeds) and the loop goes on.
+                self.note_bug("tick", exc)
+            else:
+                self.clear_bug("tick")
 
     def _reported_profile(self, fresh: dict[str, EngineStats]) -> ModelProfile:
         """The one profile every reporting engine names, resolved; else the default (logged either way)."""

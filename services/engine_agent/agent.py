@@ -33,7 +33,7 @@ from proto import (
     RoleSwitchCommand,
     check_token,
 )
-from services.engine_agent.backend import Backend
+from services.engine_agent.backend import Backend, BackendError
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.puller import PullConfig, WorkPuller
 from services.engine_agent.rescue import AddressedRescue
@@ -159,14 +159,16 @@ class EngineAgent(Service):
 
     async def stop(self) -> None:
         """Graceful stop: hand on every held request first (exact migration), then the Service's stop."""
-        if self._serving and not self._handed_off and self.nc is not None and self.nc.is_connected:
-            self._handed_off = True
-            try:
+        try:
+            if self._serving and not self._handed_off and self.nc is not None and self.nc.is_connected:
+                self._handed_off = True
                 moved = await hand_off_all(self, self.config.stop_timeout_s)
                 self.log.info("work_handed_off_at_stop", requests=moved)
-            except Exception as exc:
-                self.log.exception("hand_off_failed", error=repr(exc))
-        await super().stop()
+        except (BackendError, *BUS_ERRORS) as exc:  # what was not handed on is redelivered after ack_wait
+            self.metrics.count_error("hand_off")
+            self.log.warning("hand_off_failed", error=repr(exc))
+        finally:  # even past our own bug, which then propagates: the engine and the connection are closed
+            await super().stop()
 
     async def teardown(self) -> None:
         await self.rescue.close()
@@ -230,13 +232,21 @@ class EngineAgent(Service):
                 try:
                     async with self.reconfig_lock:
                         migrated, drained = await drain_for_switch(self, cmd)
-                except Exception as exc:
+                except (BackendError, *BUS_ERRORS) as exc:  # the engine or the bus failed the switch
                     self.metrics.count_error("switch")
-                    self.log.exception("role_switch_failed", epoch=cmd.epoch, error=repr(exc))
+                    self.log.error("role_switch_failed", epoch=cmd.epoch, error=repr(exc))
+                    self.role_state, ack, cmd = on_switch_failed(
+                        self.role_state, self.clock.now_s(), repr(exc)
+                    )
+                except Exception as exc:
+                    # Broad on purpose: the command must still get its (failed) ack, or the engine would stay
+                    # "switching" and refuse every later command. Our bug is surfaced (logged, counted, in health).
+                    self.note_bug("switch", exc, epoch=cmd.epoch)
                     self.role_state, ack, cmd = on_switch_failed(
                         self.role_state, self.clock.now_s(), repr(exc)
                     )
                 else:
+                    self.clear_bug("switch")
                     self.role_state, ack, cmd = on_switch_done(
                         self.role_state, self.clock.now_s(), migrated, drained
                     )
@@ -293,9 +303,9 @@ class EngineAgent(Service):
                     await self.backend.reload_weights(update.version, path)
                 self.policy_version = update.version
                 self.log.info("weights_updated", version=update.version)
-            except Exception as exc:
+            except BackendError as exc:  # the engine could not load them: it keeps serving the old weights
                 self.metrics.count_error("weights")
-                self.log.exception("weights_update_failed", version=update.version, error=repr(exc))
+                self.log.error("weights_update_failed", version=update.version, error=repr(exc))
             finally:
                 self.puller.resume("weights")
 

@@ -140,6 +140,7 @@ class WorkPuller:
         await asyncio.gather(*(self._queue_loop(kind, own) for kind, own in QUEUES))
 
     async def _queue_loop(self, kind: WorkKind, own: bool) -> None:
+        where = durable_name(kind, self.agent.engine_id if own else None)  # names this loop in health
         while True:
             if self._pause_reasons:
                 await self._resumed.wait()
@@ -154,10 +155,14 @@ class WorkPuller:
                 took = await self._fetch(kind, own, 1, poll_s)
                 if took and kind == "decode" and self.agent.role == "mixed":
                     self._last_decode_check = -math.inf  # handoffs are waiting: take the next one now
-            except Exception as exc:  # our bug: log it, keep pulling (a dead pull loop would idle the engine)
-                self.agent.metrics.count_error("pull")
-                self.agent.log.exception("pull_round_failed", kind=kind, own=own, error=repr(exc))
+            except Exception as exc:
+                # Broad on purpose: `_fetch` handles the bus and bad input itself, so this is our bug, and a dead
+                # pull loop would idle the engine. Surfaced (logged, counted, in health); an unacked message is
+                # redelivered after ack_wait.
+                self.agent.note_bug("pull", exc, where=where, kind=kind, own=own)
                 await asyncio.sleep(0.01)
+            else:
+                self.agent.clear_bug("pull", where)
             finally:
                 self._fetching -= 1
                 if self._fetching == 0:
@@ -220,13 +225,7 @@ class WorkPuller:
             work = await self.agent.receive(m, expected)
             if work is None:
                 continue  # bad input: answered and term()'d by Service.receive
-            try:
-                await self.runner.admit(work, m)
-            except Exception as exc:
-                self.agent.metrics.count_error("handler")
-                self.agent.log.exception("admit_failed", subject=m.subject, error=repr(exc))
-                with contextlib.suppress(*BUS_ERRORS):
-                    await m.nak(delay=1.0)
+            await self.runner.admit(work, m)  # fails only by our bug: the loop's supervisor surfaces it
         return len(msgs)
 
     async def forward_addressed(self) -> int:

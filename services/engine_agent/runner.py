@@ -37,7 +37,7 @@ from proto import (
     TokenProgress,
 )
 from services.engine_agent import outputs
-from services.engine_agent.backend import Backend, GenChunk, KvUnavailable, RequestAborted
+from services.engine_agent.backend import Backend, BackendError, GenChunk, KvUnavailable, RequestAborted
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import Ewma, HeldWork, kv_reservation_tokens
@@ -72,6 +72,12 @@ class AgentIO(Protocol):
     ) -> None: ...
 
     def spawn(self, coro: Any, name: str | None = None) -> asyncio.Task[Any]: ...
+
+    def note_bug(
+        self, kind: str, exc: BaseException, /, where: str = "", event: str = "", **fields: Any
+    ) -> None: ...
+
+    def clear_bug(self, kind: str, where: str = "") -> None: ...
 
 
 class JobRunner:
@@ -196,8 +202,17 @@ class JobRunner:
                 await self._stream(job, self.io.backend.generate(job.request))
         except asyncio.CancelledError:
             raise  # the agent is going away: the unacked message is redelivered
+        except (BackendError, *BUS_ERRORS) as exc:  # the engine failed the request, or the bus did
+            self.io.metrics.count_error("engine")
+            self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
+            await self._retry_or_fail(job, exc)
         except Exception as exc:
-            await self._engine_error(job, exc)
+            # Broad on purpose: our bug in one job must still end in a redelivery or an error reply to its
+            # client, never in a request lost silently. Surfaced (logged, counted, in health).
+            self.io.note_bug("job", exc, event="job_crashed", request_id=job.request_id, kind=job.kind)
+            await self._retry_or_fail(job, exc)
+        else:
+            self.io.clear_bug("job")
         finally:
             job.phase = "done"
             if self.jobs.get(job.request_id) is job:
@@ -257,7 +272,7 @@ class JobRunner:
                 except StopAsyncIteration:
                     if job.stop:
                         break
-                    raise RuntimeError("backend stream ended without a final chunk") from None
+                    raise BackendError("backend stream ended without a final chunk") from None
                 except KvUnavailable as exc:
                     self.kv_lost += 1
                     self.io.log.warning("kv_unavailable", request_id=job.request_id, error=str(exc))
@@ -356,10 +371,8 @@ class JobRunner:
         )
         await self._complete(job, publish.outcome)
 
-    async def _engine_error(self, job: Job, exc: Exception) -> None:
+    async def _retry_or_fail(self, job: Job, exc: Exception) -> None:
         """The engine (or this code) failed a request: redeliver it a few times, then fail it for good."""
-        self.io.metrics.count_error("engine")
-        self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
         match self.core.engine_error(_num_delivered(job.msg), repr(exc)):
             case Nak(delay_s=delay_s):
                 job.outcome = "retried"

@@ -29,6 +29,10 @@ from services.forecaster.base import MetricForecast, Predictor, Triple, normal_t
 from services.forecaster.series import FLOW_METRICS, HORIZONS_S, METRICS, SeriesPoint
 from services.forecaster.simple import EwmaPredictor, horizon_windows
 
+# What statsmodels' fit raises on a degenerate series (a singular matrix, a non-stationary or non-finite fit, an
+# overflow or a division by zero on extreme values); anything else is our bug and propagates.
+FIT_ERRORS: tuple[type[Exception], ...] = (np.linalg.LinAlgError, ValueError, ArithmeticError)
+
 
 @dataclass(frozen=True)
 class StateSpaceFit:
@@ -144,7 +148,7 @@ def _fit_series(
         fit = extract_fit(res, scale)
         if demean:
             fit = dataclasses.replace(fit, d=fit.d + mean)
-    except Exception:  # a failed or degenerate fit: the metric falls back to ewma
+    except FIT_ERRORS:  # a failed or degenerate fit: the metric falls back to ewma
         return None
     arrays = (fit.Z, fit.T, fit.c, fit.RQR, fit.a, fit.P)
     if not all(np.all(np.isfinite(x)) for x in arrays) or not math.isfinite(fit.H):

@@ -8,14 +8,17 @@ flight is lost.
 Bad input never crashes a service: `receive()` decodes a message and, on a `ProtoError` (which `proto.decode` raises
 for every failure of the decoder, RecursionError on deep nesting included), logs it with the subject, counts it by
 kind and in `bad_input`, answers an `ErrorReply` where the message has a reply subject (else publishes it on the
-errors subject), and terminates a JetStream message so it is not redelivered. Handler bugs are logged and counted
-as `handler` errors; a JetStream message whose handler failed is nak'ed with a delay (transient trouble), and every
-consumer bounds its deliveries (`max_deliver`) so no message is redelivered forever.
+errors subject), and terminates a JetStream message so it is not redelivered. A handler that fails on the bus
+(`BUS_ERRORS`) is counted as `handler_bus`; any other handler failure is our bug (`note_bug`). A JetStream message
+whose handler failed is nak'ed with a delay, and every consumer bounds its deliveries (`max_deliver`) so no message
+is redelivered forever.
 
 Health. A health request is answered only when it decodes as a `HealthRequest` (anything else is counted, never
 answered: one stray message on the health subject must not fan out into one reply per service). A background task
 that died of an exception (our bug) makes the service report `unhealthy` naming the task, for as long as it lives:
-a service whose consuming loop is gone must not keep answering "ok".
+a service whose consuming loop is gone must not keep answering "ok". A bug that a deliberately broad catch survived
+(`note_bug`: a handler, a periodic loop, a job) makes it report `degraded` (details: `bugs`) until that place next
+succeeds (`clear_bug`).
 
 Time. A service reads time from `self.clock` (`services.runtime.clock.Clock`, given at construction or read from
 $PRORSA_TIME_SCALE then): every stamp it publishes (`ts_s`) is on that shared scaled clock, because receivers compare
@@ -78,6 +81,7 @@ class Service:
         self._started_mono = time.monotonic()  # wall: uptime is the process's, not the workload's
         self.status: str = "ok"
         self.failed_tasks: dict[str, str] = {}  # task name -> its exception: reported as "unhealthy"
+        self.bugs: dict[str, str] = {}  # where -> the last bug of ours a broad catch survived: "degraded"
         self.bad_input = 0  # messages rejected as bad input (undecodable, wrong type or version, invalid)
         # Subjects this instance consumes (core or JetStream): the hostile-input tests fire at each of them.
         self.consumed: list[str] = []
@@ -134,7 +138,7 @@ class Service:
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):  # `_guard` already took any other exception
                 await task
         try:
             await self.teardown()
@@ -160,17 +164,37 @@ class Service:
             return await coro
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # our bug: surfaced in health (and in the log), not swallowed
+        except Exception as exc:
+            # Broad on purpose: one task's bug must not end the process; it is logged with its traceback, counted
+            # and reported "unhealthy" for as long as the service lives.
             self.metrics.count_error("task")
             self.failed_tasks[name] = repr(exc)[:300]
             self.log.exception("task_failed", task=name, error=repr(exc))
             return None
 
+    def note_bug(
+        self, kind: str, exc: BaseException, /, where: str = "", event: str = "", **fields: Any
+    ) -> None:
+        """Surface our own bug that a deliberately broad catch keeps a loop or a job alive through; call it from
+        the `except` block. Logs `event` (default `<kind>_failed`) with the traceback, counts `kind`, and reports
+        the service `degraded` until `clear_bug(kind, where)`."""
+        self.metrics.count_error(kind)
+        self.bugs[f"{kind}:{where}" if where else kind] = repr(exc)[:300]
+        self.log.exception(event or f"{kind}_failed", error=repr(exc), **fields)
+
+    def clear_bug(self, kind: str, where: str = "") -> None:
+        """The place `note_bug(kind, where)` named succeeded again."""
+        if self.bugs:
+            self.bugs.pop(f"{kind}:{where}" if where else kind, None)
+
     @property
     def health_status(self) -> str:
-        """What health replies say: `unhealthy` once a background task died, else the service's own status."""
+        """What health replies say: `unhealthy` once a background task died, `degraded` while a survived bug is
+        current (see `note_bug`), else the service's own status."""
         if self.failed_tasks and self.status != "stopping":
             return "unhealthy"
+        if self.bugs and self.status == "ok":
+            return "degraded"
         return self.status
 
     # --- messaging helpers ------------------------------------------------------------------------------------
@@ -235,9 +259,15 @@ class Service:
                 return
             try:
                 await handler(decoded, msg)
+            except BUS_ERRORS as exc:  # a publish the bus refused (disconnected, restarting): not ours
+                self.metrics.count_error("handler_bus")
+                self.log.warning("handler_bus_error", subject=msg.subject, error=repr(exc))
             except Exception as exc:
-                self.metrics.count_error("handler")
-                self.log.exception("handler_failed", subject=msg.subject, error=repr(exc))
+                # Broad on purpose: the handler sees only valid messages, so this is our bug; one message must not
+                # silence the subscription, so it is surfaced (logged, counted, in health) and the next one handled.
+                self.note_bug("handler", exc, where=subject, subject=msg.subject)
+            else:
+                self.clear_bug("handler", subject)
 
         await self.nc.subscribe(subject, queue=queue, cb=cb)
 
@@ -273,11 +303,18 @@ class Service:
                     continue
                 try:
                     await handler(decoded, m)
+                except BUS_ERRORS as exc:  # transient bus trouble: redelivered shortly
+                    self.metrics.count_error("handler_bus")
+                    self.log.warning("handler_bus_error", subject=m.subject, error=repr(exc))
                 except Exception as exc:
-                    self.metrics.count_error("handler")
-                    self.log.exception("handler_failed", subject=m.subject, error=repr(exc))
-                    with contextlib.suppress(*BUS_ERRORS):
-                        await m.nak(delay=1.0)
+                    # Broad on purpose: our bug on one message must not end the pull loop (the consumer would go
+                    # idle); it is surfaced (logged, counted, in health) and the message redelivered (max_deliver).
+                    self.note_bug("handler", exc, where="pull", subject=m.subject)
+                else:
+                    self.clear_bug("handler", "pull")
+                    continue
+                with contextlib.suppress(*BUS_ERRORS):
+                    await m.nak(delay=1.0)
 
     # --- health and loop lag ----------------------------------------------------------------------------------
     async def _on_health(self, msg: Msg) -> None:
@@ -300,6 +337,8 @@ class Service:
         }
         if self.failed_tasks:
             details["failed_tasks"] = dict(self.failed_tasks)
+        if self.bugs:
+            details["bugs"] = dict(self.bugs)
         details["consumed"] = sorted(set(self.consumed))  # what the fault campaign floods and expects counted
         details.update(self.health_details())
         reply = HealthReply(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -50,6 +51,25 @@ log = logging.getLogger(__name__)
 # lock is held for the whole build, so engines of one process start one after the other.
 _ENV_LOCK = threading.Lock()
 _WARMUP_PROMPT_TOKENS = 300
+
+
+@functools.cache
+def _vllm_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises when an engine fails to start or fails a request for reasons of its own, which this module
+    turns into BackendError: its own error classes, ValueError (a config or request it refuses; pydantic's
+    ValidationError is one), RuntimeError (a dead engine core; torch's out-of-memory error is one), OSError (model
+    files, ports) and ImportError (vLLM or NIXL missing). Anything else is our bug here and propagates as is."""
+    found: list[type[Exception]] = [ValueError, RuntimeError, OSError, ImportError]
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        found += [EngineDeadError, EngineGenerateError]
+        from vllm.exceptions import VLLMError  # newer vLLM: the base of all its errors (validation included)
+
+        found.append(VLLMError)
+    except ImportError:  # no vLLM, or one older than these classes
+        pass
+    return tuple(found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +209,7 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             self._llm = await asyncio.to_thread(self._build)
-        except Exception as exc:
+        except _vllm_errors() as exc:
             raise BackendError(f"vLLM engine {self.config.engine_id} failed to start: {exc}") from exc
         cache = self._llm.vllm_config.cache_config
         self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
@@ -365,7 +385,12 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored."""
         if self._llm is not None:
-            await self._llm.abort(request_id)
+            try:
+                await self._llm.abort(request_id)
+            except _vllm_errors() as exc:
+                raise BackendError(
+                    f"abort of {request_id} failed in engine {self.config.engine_id}: {exc!r}"
+                ) from exc
 
     # -- weights and stats ---------------------------------------------------------------------------------------
 
@@ -373,15 +398,22 @@ class VllmEngine:
         """Load new weights in place (same architecture) from `weights_path`, or again from the model path.
 
         In-flight requests are frozen meanwhile and continue on the new weights (their KV stays); the prefix cache
-        is then dropped so no new request reuses KV computed with the old weights."""
+        is then dropped so no new request reuses KV computed with the old weights. Raises BackendError on failure."""
         llm = self._engine()
         kwargs = {"weights_path": weights_path} if weights_path else {}
-        await llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await llm.collective_rpc("reload_weights", kwargs=kwargs)
-        finally:
-            await llm.resume_generation()
-        if not await llm.reset_prefix_cache():
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc("reload_weights", kwargs=kwargs)
+            finally:
+                await llm.resume_generation()
+            reset = await llm.reset_prefix_cache()
+        except _vllm_errors() as exc:
+            raise BackendError(
+                f"engine {self.config.engine_id}: reloading weights from {weights_path or 'the model path'} "
+                f"failed: {exc!r}"
+            ) from exc
+        if not reset:
             log.warning("engine %s: prefix cache not reset (blocks in use)", self.config.engine_id)
 
     def stats(self) -> VllmEngineStats:
@@ -441,7 +473,7 @@ class VllmEngine:
                         return
             # vLLM ends a stream aborted from outside without a final output: give the consumer one.
             yield state.final("abort", time.perf_counter() - t0)
-        except Exception as exc:
+        except _vllm_errors() as exc:
             if isinstance(exc, BackendError):
                 raise
             raise BackendError(
