@@ -392,3 +392,14 @@ def test_between_steps_a_split_is_tried_when_it_beats_the_model_s_own_error_on_t
         assert [k for k, _ in plans] == (["idle"] if tries else [])
         if tries:
             assert "unmeasured split" in plans[0][1].reason and roles.count("prefill") == 1
+
+
+def test_a_move_the_coordinator_applied_in_part_is_priced_as_it_stands() -> None:
+    """The switch coordinator applies a plan a quarter of the fleet at a time, so an idle spell can begin on a
+    hybrid split (dedicated engines beside mixed ones) that the policy never proposes; the replay prices it as it
+    stands instead of failing (a KeyError once, in the simulator's matrix: general · mimo-v2.5-pro at 32)."""
+    policy = replay_only_policy()
+    run_step(policy, ["mixed"] * 8, 0, 0.0, PREFILL_HEAVY)
+    hybrid = ["prefill", "decode"] + ["mixed"] * 6
+    plan = policy.decide(idle_view(hybrid, 70.0))
+    assert plan is not None and "P1/D1/M6 -> P2/D6" in plan.reason

@@ -312,6 +312,8 @@ class ProrsaPolicy(AllocatorPolicy):
             scored = {c: cost(c) for c in {current, *measured} if isinstance(c, Split) and c.total == n}
         else:
             return None, hold
+        if current not in scored:  # a move the switch coordinator has applied in part: a hybrid split
+            scored[current] = cost(current)
         current_j = scored[current]
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
