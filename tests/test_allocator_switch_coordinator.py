@@ -73,7 +73,21 @@ def test_least_in_flight_work_switches_first_and_churn_is_bounded() -> None:
     for i, work in enumerate([500, 10, 300, 0, 50, 70, 90, 20]):
         c.observe_stats(stats(f"e{i}", "decode", ts=0.0, work=work), now=0.0)
     cmds = c.commands_for({f"e{i}": "prefill" for i in range(8)}, now=0.5)
-    assert [x.engine_id for x in cmds] == ["e3", "e1"]
+    # e3 holds nothing: it switches outside the budget of two, which the two busy engines with least work take
+    assert [x.engine_id for x in cmds] == ["e3", "e1", "e7"]
+    assert (
+        c.commands_for({f"e{i}": "prefill" for i in range(8)}, now=0.6) == []
+    )  # the busy two still switching
+
+
+def test_idle_engines_switch_outside_the_budget_busy_ones_within_it() -> None:
+    c = SwitchCoordinator(max_concurrent_fraction=0.25)  # 10 engines: two busy ones at a time
+    work = [0, 0, 0, 0, 0, 0, 400, 100, 300, 200]
+    for i, w in enumerate(work):
+        c.observe_stats(stats(f"e{i}", "mixed", ts=0.0, work=w), now=0.0)
+    target = {f"e{i}": "decode" if i % 2 else "prefill" for i in range(10)}
+    cmds = c.commands_for(target, now=0.5)
+    assert sorted(x.engine_id for x in cmds) == ["e0", "e1", "e2", "e3", "e4", "e5", "e7", "e9"]
 
 
 @settings(max_examples=150, deadline=None)

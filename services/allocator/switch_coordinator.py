@@ -10,7 +10,10 @@ Rules, in the order they are applied:
    that restarts resumes above what engines have applied, and an engine can fence stale commands).
 4. Never leave a role empty while it has demand: commands that would leave no prefill-capable (prefill or mixed)
    engine, or no decode-capable (decode or mixed) engine, while that role has demand are dropped.
-5. At most `max_concurrent` switches at once, least in-flight work first, so capacity never falls off a cliff.
+5. At most `max_concurrent` switches at once among engines that hold work, least in-flight work first, so the
+   capacity serving that work never falls off a cliff. An engine that holds nothing (no request running, waiting
+   or in flight) drains nothing and serves nobody while it reconfigures, so it switches outside that budget — the
+   rule the allocator's start-up already applied to idle engines, now at any time (between RL steps, say).
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ class _Outstanding:
     epoch: int
     role: str
     issued_s: float
+    busy: bool = True  # the engine held work when commanded (counts against the concurrency budget)
+
+
+def _idle(s: EngineStats) -> bool:
+    """Holds no work: nothing running, waiting or in flight."""
+    return s.running == 0 and s.waiting == 0 and s.in_flight_tokens == 0
 
 
 @dataclass
@@ -101,11 +110,13 @@ class SwitchCoordinator:
             if e in fresh and e not in self.outstanding and roles.get(e) != r and not fresh[e].switching
         ]
         wanted.sort(key=lambda e: (fresh[e].in_flight_tokens, fresh[e].running, e))  # least work first
-        budget = max(1, int(len(fresh) * self.max_concurrent_fraction)) - len(self.outstanding)
+        busy_outstanding = sum(o.busy for o in self.outstanding.values())
+        budget = max(1, int(len(fresh) * self.max_concurrent_fraction)) - busy_outstanding
         commands: list[RoleSwitchCommand] = []
         for e in wanted:
-            if budget <= 0:
-                break
+            busy = not _idle(fresh[e])
+            if busy and budget <= 0:
+                continue  # rule 5 (an idle engine later in the list may still go)
             trial = dict(roles, **{e: target[e]})
             if _uncovers(roles, trial, prefill_demand, decode_demand):
                 continue  # rule 4: this switch would empty a role that has demand
@@ -120,9 +131,9 @@ class SwitchCoordinator:
                     drain_timeout_s=self.drain_timeout_s,
                 )
             )
-            self.outstanding[e] = _Outstanding(self.epoch, target[e], now)
+            self.outstanding[e] = _Outstanding(self.epoch, target[e], now, busy)
             roles = trial
-            budget -= 1
+            budget -= busy
         return commands
 
 
