@@ -10,8 +10,9 @@ RL modes (the same semantics as the simulator's):
 - sync (on-policy): a step's batch must all finish; then the trainer trains for `training_s` while rollout idles;
   then a weights update (`PolicyVersionUpdate`, version + 1) and the next step.
 - async with staleness k: the next step starts as soon as a step's batch is done, while training runs alongside;
-  a trajectory whose policy version falls more than k versions behind is aborted and restarted under the new
-  weights (counted in `restarts`).
+  a trajectory whose policy version falls more than k versions behind is aborted when it next submits a turn and
+  restarted under the new weights (counted in `restarts`; the rule is `prorsa.staleness`, the simulator's too).
+A trajectory starts `arrival_s` after its step does, as in the simulator.
 
 Times are read from the client's clock (`client.clock`, the shared scaled clock of `services.runtime.clock`): with
 simulated engines at a speed-up the whole system runs PRORSA_TIME_SCALE workload seconds per wall second, so tool
