@@ -77,7 +77,7 @@ class Simulation:
         """Run to the end (all steps trained, or the duration cap); returns the end time in virtual seconds."""
         limit = self.config.duration_s if self.config.duration_s is not None else float("inf")
         for engine in self.engines.values():  # an observer may have been attached after construction
-            engine._observed = self.observer is not None
+            engine.observed = self.observer is not None
         self.driver.start(0.0)
         self.queue.push(self.policy.interval_s, ev.POLICY_TICK)
         if limit < math.inf:  # the cap as an event, due just after it (events at the cap itself still run)

@@ -3,8 +3,8 @@
 The rules (roles, steps, jumps, KV, prefix cache) are `services.engine_agent.engine_core.EngineCore`'s, the same
 class the live simulated engine agent runs. This driver fills in the core's hooks with the simulator's side:
 wake-ups go on the event heap, a prompt prefilled on a prefill engine goes to the router, a handoff's KV arrives
-by a `HANDOFF_ARRIVE` event, a finished turn goes to the RL driver, and the work done goes to the metrics' windowed
-rows (and to an observer, when one is attached).
+by a `HANDOFF_ARRIVE` event, a finished turn goes to the RL driver, and lifecycle events go to an observer when one
+is attached. The core counts the work done into the run's `Metrics` itself (its `tally`).
 
 Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`, mixed in here.
 """
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from prorsa.sim import events as ev
 from prorsa.sim.engine_switching import RoleSwitching
-from prorsa.sim.metrics import spread
 from proto import EngineStats
 from services.engine_agent.engine_core import ACTIVE, DRAINING, JUMP, RECONFIG, CoreSeq, EngineCore
 from services.runtime.perf_model import ModelProfile
@@ -34,7 +33,7 @@ class SimEngine(RoleSwitching, EngineCore):
     """An engine core inside the simulator. All methods take the current virtual time `now`."""
 
     __slots__ = ("engine_id", "sim", "router", "metrics", "target_role", "_push", "_heap", "_due", "_more")
-    __slots__ += ("_observed", "_turn_done", "epoch", "pending_epoch", "drain_bound_s")
+    __slots__ += ("_turn_done", "epoch", "pending_epoch", "drain_bound_s")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         super().__init__(profile, role)
@@ -43,10 +42,11 @@ class SimEngine(RoleSwitching, EngineCore):
         self.router = sim.router
         self.metrics = sim.metrics
         self.busy_s = sim.metrics.busy_s  # role → busy seconds, shared by every engine
+        self.tally = sim.metrics  # the run's token counts and rows, shared by every engine
         self._push = sim.queue.push
         # For the per-step wake-ups, which inline `EventQueue.push`.
         self._heap, self._due, self._more = sim.queue.heap, sim.queue.due, sim.queue.more
-        self._observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
+        self.observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
         self._turn_done = sim.driver.on_turn_done
         self.target_role = ""
         self.epoch = 0  # newest role-switch command applied (what its stats would report)
@@ -92,61 +92,19 @@ class SimEngine(RoleSwitching, EngineCore):
         self._push(arrive, HANDOFF_ARRIVE, self, seq)
         return arrive
 
-    def _on_prefill_started(self, seq: CoreSeq, hit: int, now: float) -> None:
-        metrics = self.metrics  # prefill starts and prompt tokens (once per turn)
-        if seq.migrated:
-            metrics.migration_hit_tokens += hit
-        else:
-            metrics.prefill_starts += 1
-            metrics.prompt_tokens += seq.context_tokens
-            metrics.prefix_hit_tokens += hit
-
-    def _on_prefill_tokens(
-        self, t0: float, now: float, computed: int, recomputed: int, wasted: int, sampled: int
-    ) -> None:
-        # Prompt tokens computed (once per prefill step), with `spread`'s common case inlined: inside one window.
-        done = computed + recomputed + wasted
-        metrics = self.metrics
-        if sampled:  # first output tokens, out at the step's end
-            metrics.decoded_tokens += sampled
-            spread(metrics.decode_row, metrics.window_s, now, now, sampled)
-        metrics.prefill_computed_tokens += computed
-        metrics.migration_recompute_tokens += recomputed
-        metrics.wasted_prefill_tokens += wasted
-        row, w = metrics.computed_row, metrics.window_s
-        index = int(t0 / w)
-        if t0 < now and int(now / w) == index and len(row) > index:
-            row[index] += done
-        else:
-            spread(row, w, t0, now, done)
-
     def _on_prefill_done(self, seq: Request, now: float) -> None:  # type: ignore[override]
         seq.traj.last_engine = self
-        if self._observed:
+        if self.observed:
             self.sim.on_prefill_done(seq, self, now)
 
     def _on_decode_started(self, seq: Request, now: float) -> None:  # type: ignore[override]
-        if self._observed:
-            self.sim.on_decode_started(seq, self, now)
+        self.sim.on_decode_started(seq, self, now)
 
-    def _on_decoded(self, t0: float, now: float, tokens: int) -> None:
-        metrics = self.metrics
-        metrics.decoded_tokens += tokens
-        # Decoded tokens (once per decode jump), with `spread`'s common case inlined: a jump inside one window.
-        row, w = metrics.decode_row, metrics.window_s
-        index = int(t0 / w)
-        if t0 < now and int(now / w) == index and len(row) > index:
-            row[index] += tokens
-        else:
-            spread(row, w, t0, now, tokens)
-        if self._observed:
-            self.sim.emit_decode_progress(self, now)
+    def _on_progress(self, now: float) -> None:
+        self.sim.emit_decode_progress(self, now)
 
     def _on_finished(self, seq: CoreSeq, now: float) -> None:
         self._turn_done(seq, now)
-
-    def _on_wasted_decode(self, tokens: int) -> None:
-        self.metrics.wasted_decoded_tokens += tokens
 
     def _pull_handoffs(self, now: float) -> None:
         """Mixed engines take handoffs only with no decode engine."""

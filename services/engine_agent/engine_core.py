@@ -42,16 +42,36 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Sized
 from heapq import heapify, heappop, heappush
+from typing import Protocol
 
 from services.engine_agent.prefix_cache import PrefixCache
 from services.runtime.perf_model import ModelProfile
 from services.runtime.step_cost import step_cost
+from services.runtime.time_windows import spread
 
 ACTIVE, DRAINING, RECONFIG = 0, 1, 2  # engine states: serving its role, leaving it, reconfiguring
 IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3  # activities
 _RID_BITS = 48  # request ids below 2**48 (one per turn: ~10**14)
 _RID_MASK = (1 << _RID_BITS) - 1
 WHOLE_CONTEXT = 1 << 62  # `cacheable_tokens` of a sequence whose whole context may hit the prefix cache
+
+
+class StepTally(Protocol):
+    """Where an engine counts its work, if its driver keeps count (the simulator's `Metrics`, shared by every
+    engine; a live engine keeps none). Rows are token sums per window of `window_s` (`time_windows.spread`)."""
+
+    window_s: float
+    computed_row: list[float]  # prompt tokens computed
+    decode_row: list[float]  # output tokens produced
+    prefill_starts: int
+    prompt_tokens: int  # whole prompts of first prefills (not migrations)
+    prefix_hit_tokens: int
+    migration_hit_tokens: int
+    prefill_computed_tokens: int
+    migration_recompute_tokens: int
+    wasted_prefill_tokens: int  # computed for cancelled sequences
+    decoded_tokens: int
+    wasted_decoded_tokens: int  # produced for cancelled sequences
 
 
 class CoreSeq:
@@ -62,7 +82,7 @@ class CoreSeq:
     __slots__ = ("rid", "key", "group_key", "group_tokens", "cacheable_tokens", "context_tokens")
     __slots__ += ("output_tokens", "migrated", "cancelled", "hit_tokens", "to_compute_tokens")
     __slots__ += ("computed_tokens",)
-    __slots__ += ("est_tokens", "engine", "kv_tokens", "start_step", "target_step", "remote")
+    __slots__ += ("est_tokens", "engine", "kv_tokens", "start_step", "target_step", "remote", "started_s")
 
     def __init__(
         self,
@@ -94,6 +114,7 @@ class CoreSeq:
         self.to_compute_tokens = 0  # context - hit
         self.computed_tokens = 0  # computed so far (chunked prefill)
         self.est_tokens = 0  # uncached tokens estimated while queued
+        self.started_s = 0.0  # when its prefill started
         # Decode progress (on the engine that decodes it).
         self.engine: EngineCore | None = None  # the engine holding its KV
         self.kv_tokens = 0  # KV reserved on `engine` (context + output)
@@ -107,7 +128,8 @@ class EngineCore:
 
     # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
     # them every attribute access on the hot path is a dict lookup.
-    __slots__ = ("p", "role", "state", "cache", "busy_s", "wake_s", "waiting_handoffs", "_cost", "_jump")
+    __slots__ = ("p", "role", "state", "cache", "busy_s", "wake_s", "waiting_handoffs", "tally", "observed")
+    __slots__ += ("_cost", "_jump")
     __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
     __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
@@ -124,6 +146,8 @@ class EngineCore:
         # Handoffs waiting for a decode engine with room, where the driver keeps them in one shared queue (the
         # simulator's router); an engine that decodes pulls at its step boundaries while any wait.
         self.waiting_handoffs: Sized = ()
+        self.tally: StepTally | None = None  # where to count the work done (None: nowhere)
+        self.observed = False  # whether the driver wants `_on_decode_started` and `_on_progress`
         self._cost = step_cost(profile)  # the perf model's fast path for this profile
         self._jump = self._cost.jump_s  # bound once: a jump is planned twice per turn
         # Prefill side: queued (not started) and started-but-unfinished (chunked) prompts.
@@ -174,29 +198,17 @@ class EngineCore:
         """Whether a mixed engine that drains sends a prompt it finishes to a decode engine (one exists)."""
         return False
 
-    def _on_prefill_started(self, seq: CoreSeq, hit: int, now: float) -> None:
-        """A prompt started computing here at `now` with a prefix hit of `hit` tokens."""
-
     def _on_prefill_done(self, seq: CoreSeq, now: float) -> None:
         """A prompt is prefilled here (before it is handed on or joins the batch)."""
 
     def _on_decode_started(self, seq: CoreSeq, now: float) -> None:
-        """`seq` joined the decode batch."""
+        """`seq` joined the decode batch (called only when `observed`)."""
+
+    def _on_progress(self, now: float) -> None:
+        """Decode steps ended at `now`; `seqs` hold the batch's progress (called only when `observed`)."""
 
     def _on_finished(self, seq: CoreSeq, now: float) -> None:
         """`seq` decoded its last token (it has left the batch)."""
-
-    def _on_prefill_tokens(
-        self, t0: float, now: float, computed: int, recomputed: int, wasted: int, sampled: int
-    ) -> None:
-        """A step from `t0` to `now` computed prompt tokens: new, recomputed (migrations) and wasted (cancelled);
-        `sampled` prompts completed and sampled their first output token."""
-
-    def _on_decoded(self, t0: float, now: float, tokens: int) -> None:
-        """Decode steps from `t0` to `now` produced `tokens` tokens (the batch's progress is `seqs`' steps)."""
-
-    def _on_wasted_decode(self, tokens: int) -> None:
-        """Tokens decoded for a cancelled sequence."""
 
     def _pull_handoffs(self, now: float) -> None:
         """At a step boundary with `waiting_handoffs` non-empty, on an engine that decodes: take those that fit."""
@@ -472,11 +484,19 @@ class EngineCore:
         seq.computed_tokens = 0
         self.active.append(seq)
         self._active_left += to_compute
+        seq.started_s = now
         if self.role == "mixed":
             seq.engine = self
             seq.kv_tokens = context + seq.output_tokens
             self._reserve(seq.kv_tokens)
-        self._on_prefill_started(seq, hit, now)
+        tally = self.tally  # prefill starts and prompt tokens (once per turn)
+        if tally is not None:
+            if seq.migrated:
+                tally.migration_hit_tokens += hit
+            else:
+                tally.prefill_starts += 1
+                tally.prompt_tokens += context
+                tally.prefix_hit_tokens += hit
 
     def _mixed_step_s(self) -> float:
         priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks]
@@ -505,8 +525,28 @@ class EngineCore:
                 sampled += 1
                 self._prefill_finished(seq, now)
         self._chunks = []
-        self.prefill_tokens_done += computed + recomputed + wasted
-        self._on_prefill_tokens(t0, now, computed, recomputed, wasted, sampled)
+        done = computed + recomputed + wasted
+        self.prefill_tokens_done += done
+        tally = self.tally
+        if tally is None:
+            return
+        tally.prefill_computed_tokens += computed
+        tally.migration_recompute_tokens += recomputed
+        tally.wasted_prefill_tokens += wasted
+        # Prompt tokens computed (once per prefill step), with `spread`'s common case inlined: inside one window.
+        row, w = tally.computed_row, tally.window_s
+        index = int(t0 / w)
+        if t0 < now and int(now / w) == index and len(row) > index:
+            row[index] += done
+        else:
+            spread(row, w, t0, now, done)
+        if sampled:  # first output tokens, out at the step's end
+            tally.decoded_tokens += sampled
+            row, index = tally.decode_row, int(now / w)
+            if len(row) > index:
+                row[index] += sampled
+            else:
+                spread(row, w, now, now, sampled)
 
     def _prefill_finished(self, seq: CoreSeq, now: float) -> None:
         self.cache.insert(seq.key, seq.context_tokens, now, seq.group_key, seq.group_tokens)
@@ -543,7 +583,8 @@ class EngineCore:
         heappush(self._finish_heap, target << _RID_BITS | seq.rid)
         self._ctx_base += seq.context_tokens + 1 - start
         self._target_sum += target
-        self._on_decode_started(seq, now)
+        if self.observed:
+            self._on_decode_started(seq, now)
 
     def _leave_batch(self, seq: CoreSeq) -> None:
         """Take a sequence out of the batch (its finish heap entry is the caller's: popped, or `_forget_finishes`)."""
@@ -611,13 +652,25 @@ class EngineCore:
         tokens = len(seqs) * m
         self.steps_done = steps = self.steps_done + m
         self.decode_tokens_done += tokens
-        self._on_decoded(t0, now, tokens)
+        tally = self.tally
+        if tally is not None:
+            tally.decoded_tokens += tokens
+            # Output tokens (once per decode jump), with `spread`'s common case inlined: a jump inside one window.
+            row, w = tally.decode_row, tally.window_s
+            index = int(t0 / w)
+            if t0 < now and int(now / w) == index and len(row) > index:
+                row[index] += tokens
+            else:
+                spread(row, w, t0, now, tokens)
+        if self.observed:
+            self._on_progress(now)
         heap, bound = self._finish_heap, (steps + 1) << _RID_BITS  # entries below `bound`: finished
         while heap and heap[0] < bound:
             seq = seqs[heappop(heap) & _RID_MASK]
             self._leave_batch(seq)
             if seq.cancelled:  # nobody waits for its tokens
-                self._on_wasted_decode(seq.output_tokens)
+                if tally is not None:
+                    tally.wasted_decoded_tokens += seq.output_tokens
                 continue
             if self.role == "mixed":
                 self.cache.insert(
@@ -629,7 +682,8 @@ class EngineCore:
         """Remove decodes of cancelled sequences from the batch."""
         cancelled = [r for r in self.seqs.values() if r.cancelled]
         for seq in cancelled:
-            self._on_wasted_decode(self.decoded_so_far(seq))
+            if self.tally is not None:
+                self.tally.wasted_decoded_tokens += self.decoded_so_far(seq)
             self._leave_batch(seq)
         if cancelled:
             self._forget_finishes()

@@ -20,14 +20,13 @@ from services.runtime.perf_model import ModelProfile
 class SoloEngine(EngineCore):
     """An `EngineCore` whose events (wake-ups, KV arrivals) it runs itself, up to the time it is given."""
 
-    __slots__ = ("now", "_arrivals", "prefill_started", "prefilled", "handed_off", "finished")
+    __slots__ = ("now", "_arrivals", "prefilled", "handed_off", "finished")
 
     def __init__(self, profile: ModelProfile, role: str) -> None:
         super().__init__(profile, role)
         self.now = 0.0  # the engine's time: every call below happens at it, and it never goes back
         self._arrivals: list[tuple[float, int, CoreSeq]] = []  # (when its KV arrives, rid, sequence)
         # Effects since the driver last cleared them: (sequence, time).
-        self.prefill_started: list[tuple[CoreSeq, float]] = []
         self.prefilled: list[tuple[CoreSeq, float]] = []  # its first output token is out
         self.handed_off: list[tuple[CoreSeq, float]] = []  # prefilled here, to decode elsewhere
         self.finished: list[tuple[CoreSeq, float]] = []  # its last output token is out
@@ -75,9 +74,6 @@ class SoloEngine(EngineCore):
         arrive = EngineCore.accept_handoff(self, seq, now)
         heappush(self._arrivals, (arrive, seq.rid, seq))
         return arrive
-
-    def _on_prefill_started(self, seq: CoreSeq, hit: int, now: float) -> None:
-        self.prefill_started.append((seq, now))
 
     def _on_prefill_done(self, seq: CoreSeq, now: float) -> None:
         self.prefilled.append((seq, now))

@@ -103,7 +103,7 @@ class LiveSeq(CoreSeq):
         "want_logprobs",
         "next_pos",
     )
-    __slots__ += ("prefilled", "prefill_info", "prefill_started_s", "done", "aborted")
+    __slots__ += ("prefilled", "prefill_info", "done", "aborted")
 
     def __init__(
         self, rid: int, request: GenerateRequest, mode: SeqMode, max_model_len: int, vocab_size: int
@@ -129,7 +129,6 @@ class LiveSeq(CoreSeq):
         self.next_pos = first_pos + 1 if mode == "decode" else first_pos  # the next position to stream
         self.prefilled = mode == "decode"  # its first token is out
         self.prefill_info: PrefillInfo | None = None  # for the stream's first chunk (generate)
-        self.prefill_started_s = 0.0
         self.done = False  # its last token is out
         self.aborted = False
 
@@ -301,17 +300,14 @@ class SimBackend:
         self._settle()
 
     def _settle(self) -> None:
-        """Act on the core's effects: stamp prefill starts, wake streams, answer prefill futures."""
+        """Act on the core's effects: wake streams, answer prefill futures."""
         core = self.core
-        for seq, t in core.prefill_started:
-            seq.prefill_started_s = t  # type: ignore[attr-defined]
         for seq, t in core.prefilled:
             self._prefilled(seq, t)  # type: ignore[arg-type]
         for seq, _ in core.handed_off:
             self._answer_prefill(seq)  # type: ignore[arg-type]
         for seq, _ in core.finished:
             self._finished(seq)  # type: ignore[arg-type]
-        core.prefill_started.clear()
         core.prefilled.clear()
         core.handed_off.clear()
         core.finished.clear()
@@ -324,7 +320,7 @@ class SimBackend:
         seq.prefill_info = PrefillInfo(
             new_tokens=seq.to_compute_tokens,
             cached_tokens=seq.hit_tokens,
-            prefill_s=t - seq.prefill_started_s,
+            prefill_s=t - seq.started_s,
         )
         self._notify(seq)
 
