@@ -2,7 +2,8 @@
 
 Both simulated engines are this class: the simulator's (`prorsa.sim.engine.SimEngine`, woken by the event loop) and
 the live engine agent's (`backends.sim_backend.SimBackend`, woken on the scaled clock). Each subclasses it and
-fills in the hooks (`_wake_at`, `_hand_off`, `_on_*`); the rules below exist nowhere else.
+fills in the hooks (`_wake_at`, `_hand_off`, `_on_*`); the rules below exist nowhere else. Work done is counted
+into the driver's `tally` (`StepTally`: the simulator's metrics; none live) inline, not through a hook per step.
 
 Roles:
 * `prefill`: each step takes queued prompts FIFO up to `prefill_batch_tokens` of uncached tokens (a longer prompt
