@@ -5,8 +5,11 @@ Both run `EngineCore`; what differs is everything around it — live, the bus, t
 and the client; in the simulator, nothing. So the gap measures the live path's overhead (multiplied by the time
 scale into modelled seconds), and any rule the two kept apart would show as a systematic gap.
 
-Tolerance: each request's TTFT and finish time (from its arrival) within 0.3 modelled s + 10 %. At a time scale of
-10, 0.3 s is 30 ms of wall time: a few bus round trips and work-queue polls on a loaded 2-core machine.
+Tolerance: each request's TTFT and finish time (from its arrival) within 0.3 modelled s + 10 %. The scale is 2, not
+the 10 the rollout tests use: the live path's overhead is wall time, multiplied by the scale into modelled seconds,
+and at 10 one scheduler hiccup on a loaded 2-core machine (50 ms) already spent the tolerance (CI saw 0.58 s on one
+TTFT). At 2, 0.3 s is 150 ms of wall time; with both cores busy the worst excess measured 0.11 s. Each case runs
+about 2.5 s of wall time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tests.engine_agent_support import make_agent
 
 pytestmark = pytest.mark.timeout(180)
 
-SCALE = 10.0
+SCALE = 2.0
 # (arrival s, prompt tokens, output tokens): a burst that queues and batches, then stragglers that join a running
 # batch mid-jump, with prompts long enough to be chunked in a mixed step.
 REQUESTS = [
