@@ -51,11 +51,17 @@ class EngineDirectory:
             bound = min(bound, max(self.min_stale_s, self.missed_intervals * interval))
         return now - seen <= bound
 
+    def accepts(self, stats: EngineStats) -> bool:
+        """Whether an engine in the state `stats` reports takes a turn addressed to it."""
+        return self.accepts_state(stats.role, stats.switching, stats.waiting)
+
+    def accepts_state(self, role: str, switching: bool, waiting: int) -> bool:
+        """`accepts` on the three fields it reads (the simulator's router asks with each engine's present state)."""
+        return role in PREFILL_CAPABLE and not switching and waiting <= self.max_waiting
+
     def affinity_target(self, engine_id: str, now: float) -> str | None:
         """`engine_id` if it can take the turn directly now, else None (use the shared queue)."""
         s = self.engines.get(engine_id)
-        if s is None or not self.fresh(engine_id, now):
-            return None
-        if s.role not in PREFILL_CAPABLE or s.switching or s.waiting > self.max_waiting:
+        if s is None or not self.fresh(engine_id, now) or not self.accepts(s):
             return None
         return engine_id

@@ -35,7 +35,8 @@ from proto import (
 )
 from services.engine_agent.backend import Backend, BackendError
 from services.engine_agent.metrics import EngineMetrics
-from services.engine_agent.puller import PullConfig, WorkPuller
+from services.engine_agent.pull_capacity import PullConfig
+from services.engine_agent.puller import WorkPuller
 from services.engine_agent.rescue import AddressedRescue
 from services.engine_agent.role_state import (
     DEFAULT_MAX_EPOCH_JUMP,

@@ -28,30 +28,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import DecodeHandoff, GenerateRequest, Subjects
-from services.engine_agent.pull_capacity import EngineLimits, WorkKind, pull_size
+from services.engine_agent.pull_capacity import EngineLimits, PullConfig, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
-
-
-@dataclass(frozen=True, slots=True)
-class PullConfig:
-    # All wall seconds: fetch timeouts and poll cadences pace I/O, not the (possibly time-scaled) engine.
-    ack_wait_s: float = 3.0
-    own_poll_s: float = 0.02  # mixed role: the short poll of the decode queue
-    any_poll_s: float = 0.25  # long poll of every queue (a fetch returns as soon as a message arrives)
-    room_wait_s: float = 0.25  # a loop without room rechecks at least this often (estimates move)
-    decode_check_s: float = 0.5  # mixed role: how often to look at decode handoffs when idle
-    max_fetch: int = 16
-    prefill_budget_tokens: int = 32_768
-    max_ack_pending: int = 100_000
-
 
 # The queues an engine pulls, as (kind, own): only prefill work is ever addressed to one engine.
 QUEUES: tuple[tuple[WorkKind, bool], ...] = (("prefill", True), ("prefill", False), ("decode", False))
@@ -202,8 +187,8 @@ class WorkPuller:
             kind,
             limits,
             self.runner.held(),
-            self.runner.est_prompt_tokens.value,
-            self.runner.est_kv_tokens.value,
+            self.runner.estimates.prompt_tokens.value,
+            self.runner.estimates.kv_tokens.value,
         )
 
     async def _fetch(self, kind: WorkKind, own: bool, n: int, timeout_s: float) -> int:

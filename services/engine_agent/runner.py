@@ -40,7 +40,7 @@ from services.engine_agent import outputs
 from services.engine_agent.backend import Backend, BackendError, GenChunk, KvUnavailable, RequestAborted
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
-from services.engine_agent.pull_capacity import Ewma, HeldWork, kv_reservation_tokens
+from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.clock import Clock
 
@@ -86,8 +86,7 @@ class JobRunner:
         self.chunk_interval_s = chunk_interval_s
         self.jobs: dict[str, Job] = {}
         self.core = JobCore()  # de-duplication and the decisions (job_core.py); this class executes them
-        self.est_prompt_tokens = Ewma(2048.0)
-        self.est_kv_tokens = Ewma(4096.0)
+        self.estimates = PullEstimates()  # sizes of work not seen yet, for pulling
         self.freed = (
             asyncio.Event()
         )  # set when held work shrinks (a job ends or leaves its prefill): pull more
@@ -134,8 +133,7 @@ class JobRunner:
             kind = "prefill" if self.io.role == "prefill" else "generate"
         expected = self.io.backend.expected_output_tokens(request)
         context = request.prompt_len + len(request.resume_token_ids)
-        self.est_prompt_tokens.observe(context)
-        self.est_kv_tokens.observe(context + expected)
+        self.estimates.observe(context, expected)
         return Job(
             kind=kind,  # type: ignore[arg-type]
             request=request,
