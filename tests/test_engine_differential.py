@@ -145,3 +145,25 @@ async def test_live_engines_and_the_simulator_agree_per_request(
             assert abs(got - want) <= 0.3 + 0.1 * want, f"{rid}: live {got:.3f} s vs simulated {want:.3f} s"
             worst = max(worst, abs(got - want) - 0.1 * want)
     print(f"{policy}: worst excess over 10 % {worst:.3f} s")
+
+
+@pytest.mark.parametrize(
+    ("policy", "roles"),
+    [("colocated", ("mixed", "mixed")), ("static:1:2", ("prefill", "decode", "decode"))],
+)
+async def test_live_placement_and_the_simulated_one_agree_on_average(
+    nats_server, monkeypatch, policy: str, roles: tuple[str, ...]
+) -> None:
+    """Several engines of a role: which engine pulls which prompt or handoff. Live, that is a race between the
+    engines' fetches at the server (each run assigns differently: one request's finish moved 1.21–1.60 s over four
+    runs against 1.29 s simulated), so the requests are compared on average: mean TTFT and mean finish time within
+    0.3 s + 10 %, as one request is above."""
+    monkeypatch.setenv("PRORSA_TIME_SCALE", str(SCALE))
+    live = await _live(nats_server.url, roles)
+    sim = _simulated(policy, len(roles))
+    assert sorted(live) == sorted(sim) == [f"d{i}" for i in range(len(REQUESTS))]
+    for i, what in enumerate(("TTFT", "finish")):
+        got = sum(v[i] for v in live.values()) / len(live)
+        want = sum(v[i] for v in sim.values()) / len(sim)
+        print(f"{policy} mean {what}: live {got:.3f} s, simulated {want:.3f} s")
+        assert abs(got - want) <= 0.3 + 0.1 * want

@@ -12,8 +12,6 @@ import itertools
 import math
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from prorsa.sim import events as ev
 from prorsa.sim.engine import SimEngine
 from prorsa.sim.metrics import Metrics
@@ -48,7 +46,7 @@ class Simulation:
         self.observer = observer
         self.queue = ev.EventQueue()
         self.metrics = Metrics(config.window_s)
-        self.router = Router(self, np.random.default_rng(config.seed), config.affinity_overload_s)
+        self.router = Router(self)
         self.driver = Driver(self, workload, config.steps)
         self.driver.on_weights_update.append(self._weights_updated)
         width = len(str(config.engines - 1))
@@ -60,6 +58,7 @@ class Simulation:
             self.engines[engine_id] = engine
             self.metrics.role_change(0.0, None, engine.role, engine_id)
             self.router.engine_available(engine, 0.0)
+            engine._poke(0.0)  # it pulls: nothing waits yet, so its fetches wait in line
         self.now = 0.0
         self.plans_applied = 0
         # The live allocator's gate on role switches (`apply_plan`); its commands carry the run's drain bound.
@@ -183,6 +182,8 @@ class Simulation:
             self._policy_tick(t)
         elif kind == ev.TRAINING_DONE:
             self.driver.on_training_done(a, t)
+        elif kind == ev.DECODE_CHECK:
+            self.router.on_decode_check(a, t)
         else:
             raise AssertionError(f"unknown event kind {kind}")
 
@@ -259,7 +260,6 @@ class Simulation:
         """New policy version: cached KV was computed by the old weights."""
         for engine in self.engines.values():
             engine.cache.clear()
-        self.router.group_engine.clear()
         for traj in self.driver.live_trajs.values():
             traj.last_engine = None
 

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 from prorsa.sim import events as ev
 from prorsa.sim.engine_switching import RoleSwitching
 from proto import EngineStats
-from services.engine_agent.engine_core import ACTIVE, DRAINING, JUMP, RECONFIG, CoreSeq, EngineCore
+from services.engine_agent.engine_core import ACTIVE, DRAINING, IDLE, JUMP, RECONFIG, CoreSeq, EngineCore
+from services.engine_agent.pull_capacity import PullEstimates
 from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
     from prorsa.sim.state import Request
 
-__all__ = ["ACTIVE", "DRAINING", "JUMP", "RECONFIG", "SimEngine"]
+__all__ = ["ACTIVE", "DRAINING", "IDLE", "JUMP", "RECONFIG", "SimEngine"]
 
 ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 
@@ -34,6 +35,7 @@ class SimEngine(RoleSwitching, EngineCore):
 
     __slots__ = ("engine_id", "sim", "router", "metrics", "target_role", "_push", "_heap", "_due", "_more")
     __slots__ += ("_turn_done", "epoch", "pending_epoch", "drain_bound_s")
+    __slots__ += ("pull_estimates", "decode_due_s", "decode_check_pending")
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         super().__init__(profile, role)
@@ -52,7 +54,10 @@ class SimEngine(RoleSwitching, EngineCore):
         self.epoch = 0  # newest role-switch command applied (what its stats would report)
         self.pending_epoch = 0  # newest command received
         self.drain_bound_s = sim.config.drain_bound_s  # the switch command's drain timeout
-        self.waiting_handoffs = sim.router.handoffs
+        # Placement state the router keeps per engine (the live agent's pull loops hold the same).
+        self.pull_estimates = PullEstimates()
+        self.decode_due_s = 0.0  # a mixed engine's next look at the handoff queue
+        self.decode_check_pending = False
 
     def stats(self, now: float) -> EngineStats:
         """What this engine's agent would publish now (the fields the switch coordinator reads)."""
@@ -107,9 +112,10 @@ class SimEngine(RoleSwitching, EngineCore):
         self._turn_done(seq, now)
 
     def _pull_handoffs(self, now: float) -> None:
-        """Mixed engines take handoffs only with no decode engine."""
-        if self.role == "decode" or not self.router.decode_pool:
-            self.router.pull_handoffs(self, now)
+        self.router.pull_handoffs(self, now)
+
+    def _pull_prompts(self, now: float) -> None:
+        self.router.pull_prompts(self, now)
 
     def _drain(self, now: float) -> None:
         self._migrate_long_decodes(now)

@@ -23,6 +23,7 @@ RECONFIG_DONE = 3  # an engine finishes reconfiguring for its new role (a: SimEn
 POLICY_TICK = 4  # the allocator policy decides
 TRAINING_DONE = 5  # the trainer finishes a step's batch (a: step index)
 END = 6  # the duration cap is reached (due just after it)
+DECODE_CHECK = 7  # an idle mixed engine looks at the handoff queue again (a: SimEngine)
 
 # Lifecycle event names passed to `SimObserver.on_event` (fields in the comment).
 TRAJECTORY_STARTED = "trajectory_started"  # step, task, policy_version, group, prompt_tokens, turns

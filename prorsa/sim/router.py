@@ -1,175 +1,293 @@
-"""The router: where each prompt is prefilled and which decode engine takes each handoff.
+"""Placement in the simulator: the live system's, modelled — shared work queues that engines pull from by capacity,
+and prefix affinity decided the way the client decides it.
 
-Prefill routing, per request:
-1. prefix affinity — the engine that prefilled the trajectory's previous turn (for a first turn: the engine that
-   prefilled its GRPO group's shared prompt), if it still takes prefills and its queued prefill work is below
-   `affinity_overload_s` seconds;
-2. otherwise the least-loaded prefill-capable engine (exact minimum over up to `_SCAN_LIMIT` engines, else the
-   better of two random picks — "power of two choices", O(1) per request at hundreds of engines);
-3. no prefill-capable engine (all switching): the request waits in `pending` until one appears.
+The rules are the shipped code's, called, not copied:
+- how much an engine may pull (`services.engine_agent.pull_capacity.pull_size`: a prefill token budget, batch slots
+  and KV room, sizes of unseen work estimated from what the engine pulled before — `PullEstimates`);
+- whether a turn goes to its trajectory's last engine (`prorsa.client.directory.EngineDirectory.accepts`: that
+  engine prefills, is not switching, and its queue is short), from what its `EngineStats` would say;
+- a mixed engine takes decode handoffs only while it holds no prompt, and after a look that found none, not again
+  for `decode_check_s` (`services.engine_agent.puller`).
 
-Decode handoffs wait in one FIFO (`handoffs`). A new handoff goes to the decode engine with the fewest sequences
-that has a batch slot and KV room; an engine that frees room pulls from the head of the queue. Mixed engines take
-handoffs only when no decode-role engine exists (a plan with prefill and mixed engines but no decode ones).
+The queues: one shared prefill queue (`work.prefill.any`), one addressed queue per engine (`work.prefill.<id>`), one
+shared handoff queue (`work.decode.any`), all FIFO. Which engine takes a message that several have room for: the one
+whose fetch has waited longest — a JetStream pull consumer serves waiting pull requests in arrival order, and an
+engine fetches again as soon as it has taken a message, so engines with room take turns (`_prompt_line`,
+`_handoff_line`). An engine with no room pulls again at its next step boundary, when it may have freed some.
+
+What the model leaves out: live, stats are up to one stats interval old, a fetch costs a bus round trip and the
+pull loops poll at wall-clock cadences; here each engine's picture is current and a pull is instant. The
+differential test (`tests/test_engine_differential.py`) measures what that leaves between the two.
+
+A first turn goes to the shared queue, GRPO group or not (the client knows no engine for it). Members of a group
+that land on one engine share their prompt's cache (`EngineCore`); placing a group together on purpose was tried —
+rendezvous hashing of the group, which the client could do too — and lost 17 % on a colocated general workload
+(4 engines, 4 groups of 8: hashing piles groups onto one engine, and affinity keeps them there).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from prorsa.client.directory import EngineDirectory
+from prorsa.sim import events as ev
 from prorsa.sim.engine import ACTIVE, SimEngine
 from prorsa.sim.state import Request
+from services.engine_agent.pull_capacity import (
+    EngineLimits,
+    HeldWork,
+    PullConfig,
+    WorkKind,
+    decode_fetch,
+    prefill_fetch,
+    pull_size,
+)
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
 
-_SCAN_LIMIT = 8  # up to this many candidates, take the exact least-loaded one
-_RANDOM_BATCH = 4096  # uniform draws fetched from the generator at a time
+
+def held_work(engine: SimEngine) -> HeldWork:
+    """What the live job runner would count as held (`JobRunner.held`): prompts not yet prefilled with their
+    context tokens; requests that decode here with their KV reservation (context plus expected output)."""
+    prompts = len(engine.queue) + len(engine.active)
+    prompt_tokens = 0
+    if prompts:
+        for seq in engine.queue:
+            prompt_tokens += seq.context_tokens
+        for seq in engine.active:
+            prompt_tokens += seq.context_tokens
+    role = engine.role
+    if role == "prefill":
+        return HeldWork(prompts, prompt_tokens, 0, 0)
+    decodes = len(engine.seqs) + len(engine.arrivals) + engine.incoming
+    kv = engine.kv_reserved  # decodes and handoffs in transfer, and a mixed engine's started prompts
+    if role == "mixed":
+        decodes += prompts
+        for seq in engine.queue:  # reserved when their prefill starts; the runner counts them from the pull
+            kv += seq.context_tokens + seq.output_tokens
+    return HeldWork(prompts, prompt_tokens, decodes, kv)
 
 
 class Router:
-    """Prefill placement and the decode handoff queue."""
+    """The shared queues and the engines' pulls from them."""
 
-    def __init__(self, sim: Simulation, rng: np.random.Generator, affinity_overload_s: float) -> None:
+    def __init__(self, sim: Simulation, pull: PullConfig | None = None) -> None:
         self.sim = sim
-        self._rng = rng
-        self._draws: list[float] = []
-        self.affinity_overload_s = affinity_overload_s
-        self.prefill_pool: list[SimEngine] = []  # active prefill and mixed engines
+        self.pull = pull or PullConfig()
+        profile = sim.profile
+        self.limits = EngineLimits(
+            max_batch=profile.max_batch,
+            kv_capacity_tokens=profile.kv_capacity_tokens,
+            prefill_budget_tokens=self.pull.prefill_budget_tokens,
+            max_fetch=self.pull.max_fetch,
+        )
+        self.directory = EngineDirectory()
+        self.prompts: deque[Request] = deque()  # work.prefill.any
+        self.handoffs: deque[Request] = deque()  # work.decode.any: prefilled, waiting for a decode engine
+        self._prompt_line: deque[SimEngine] = deque()  # engines whose prompt fetch waits, oldest first
+        self._handoff_line: deque[SimEngine] = deque()
         self.decode_pool: list[SimEngine] = []  # active decode engines
-        self.mixed_pool: list[SimEngine] = []
-        self.pending: deque[Request] = deque()  # prompts with no prefill-capable engine
-        self.handoffs: deque[Request] = deque()  # prefilled, waiting for a decode engine
-        self.group_engine: dict[str, SimEngine] = {}
+        self.mixed_pool: list[SimEngine] = []  # active mixed engines
         self.affinity_hits = 0
         self.affinity_misses = 0
 
-    # -- pools ------------------------------------------------------------------------------------------------------
-
-    @property
-    def mixed_takes_handoffs(self) -> bool:
-        return not self.decode_pool
+    # -- engines coming and going ---------------------------------------------------------------------------------
 
     def has_decode_engines(self) -> bool:
         return bool(self.decode_pool)
 
     def engine_available(self, engine: SimEngine, now: float) -> None:
-        """`engine` serves its role now: add it to its pool and give it waiting work."""
+        """`engine` serves its role now: it starts pulling."""
+        engine.waiting_prompts = self.prompts
+        engine.waiting_handoffs = self.handoffs
         if engine.role == "decode":
             self.decode_pool.append(engine)
-            self.pull_handoffs(engine, now)
-        else:
-            self.prefill_pool.append(engine)
-            if engine.role == "mixed":
-                self.mixed_pool.append(engine)
-            waiting = list(self.pending)
-            self.pending.clear()
-            for req in waiting:
-                self.route_prefill(req, now)
-            if engine.role == "mixed" and self.mixed_takes_handoffs:  # a prefill engine never decodes
-                self.pull_handoffs(engine, now)
+            self._forward_addressed(engine, now)  # a decode engine does not prefill (`forward_addressed`)
+        elif engine.role == "mixed":
+            self.mixed_pool.append(engine)
+            engine.decode_due_s = now + self.pull.decode_check_s  # it looked on joining and found none
+        # It pulls at its next step boundary (the caller pokes it), and then waits in line if it has room. A mixed
+        # engine never waits on the handoff queue: it looks when handoffs wait (`pull_handoffs`).
+        engine.prompt_fetch_waiting = False
+        engine.handoff_fetch_waiting = engine.role == "mixed"
 
     def engine_leaving(self, engine: SimEngine, now: float) -> None:
-        """`engine` starts switching: it takes no new work."""
-        for pool in (self.prefill_pool, self.decode_pool, self.mixed_pool):
+        """`engine` starts switching: its pulls pause (its addressed queue waits for it)."""
+        for pool in (self.decode_pool, self.mixed_pool):
             if engine in pool:
                 pool.remove(engine)
+        self._drop_from_lines(engine)
+        engine.prompt_fetch_waiting = engine.handoff_fetch_waiting = True  # no fetch, and none to make
 
-    # -- prefill ----------------------------------------------------------------------------------------------------
+    def _drop_from_lines(self, engine: SimEngine) -> None:
+        for line in (self._prompt_line, self._handoff_line):
+            if engine in line:
+                line.remove(engine)
+
+    def _forward_addressed(self, engine: SimEngine, now: float) -> None:
+        own = engine.own_prompts
+        if own:
+            engine.own_prompts = ()
+            for req in own:
+                self._post(req, now)
+
+    # -- prompts --------------------------------------------------------------------------------------------------
 
     def route_prefill(self, req: Request, now: float) -> None:
+        """A turn's prompt is published: to its trajectory's engine if the client's affinity check passes, else
+        to the shared queue."""
         traj = req.traj
         engine = traj.last_engine
-        if engine is None and traj.turn == 0 and traj.group_key:
-            engine = self.group_engine.get(traj.group_key)
-        if (
-            engine is not None
-            and engine.state == ACTIVE
-            and engine.role != "decode"  # accepts_prefill, inlined
-            and engine.prefill_load_s() < self.affinity_overload_s
-        ):
-            self.affinity_hits += 1
-        else:
-            if engine is not None:
-                self.affinity_misses += 1
-            engine = self._least_loaded(self.prefill_pool)
-            if engine is None:
-                self.pending.append(req)
+        if engine is not None:
+            # The fields `EngineStats` reports (`SimEngine.stats`), read directly: this runs once per turn.
+            waiting = len(engine.queue) + len(engine.arrivals) + engine.incoming
+            if self.directory.accepts_state(engine.role, engine.state != ACTIVE, waiting):
+                self.affinity_hits += 1
+                self._address(engine, req, now)
                 return
-        if traj.turn == 0 and traj.group_key:
-            self.group_engine.setdefault(traj.group_key, engine)
+            self.affinity_misses += 1
+        self._post(req, now)
+
+    def _address(self, engine: SimEngine, req: Request, now: float) -> None:
+        own = engine.own_prompts
+        if not own and engine.state == ACTIVE and self._room(engine, "prefill"):
+            self._take_prompt(engine, req, now)  # its own queue's fetch waits: delivered at once
+            return
+        if not own:
+            engine.own_prompts = own = deque()
+        own.append(req)  # type: ignore[union-attr]
+
+    def _post(self, req: Request, now: float) -> None:
+        if self.prompts:  # FIFO: others wait already, so no engine has room
+            self.prompts.append(req)
+            return
+        line = self._prompt_line
+        while line:
+            engine = line.popleft()
+            if self._room(engine, "prefill"):
+                self._take_prompt(engine, req, now)
+                # It fetches again, to the back of the line (its room is checked when it is served).
+                line.append(engine)
+                return
+            engine.prompt_fetch_waiting = False  # out of room: it pulls again at a step boundary
+        self.prompts.append(req)
+
+    def _take_prompt(self, engine: SimEngine, req: Request, now: float) -> None:
+        """Deliver a prompt to an engine between its steps (it queues the prompt and pokes itself)."""
+        engine.pull_estimates.observe(req.context_tokens, req.output_tokens)
         engine.enqueue_prefill(req, now)
 
-    def pending_tokens(self) -> int:
-        return sum(r.context_tokens for r in self.pending)
+    def pull_prompts(self, engine: SimEngine, now: float) -> None:
+        """At `engine`'s step boundary: take from its own queue, then the shared one, while it has room; with room
+        left and nothing more to take, its fetch waits in line."""
+        own = engine.own_prompts
+        queue = self.prompts
+        while (own or queue) and self._room(engine, "prefill"):
+            req = own.popleft() if own else queue.popleft()  # type: ignore[union-attr]
+            if req.cancelled:
+                continue
+            engine.pull_estimates.observe(req.context_tokens, req.output_tokens)
+            engine.take_prompt(req)
+        if not own:
+            engine.own_prompts = ()
+        if not engine.prompt_fetch_waiting and not queue and self._room(engine, "prefill"):
+            engine.prompt_fetch_waiting = True
+            self._prompt_line.append(engine)
 
-    def _uniform(self) -> float:
-        if not self._draws:
-            self._draws = self._rng.random(_RANDOM_BATCH).tolist()
-        return self._draws.pop()
+    def queued_prompt_tokens(self) -> int:
+        """Context tokens of prompts no engine has pulled yet (shared and addressed queues)."""
+        total = sum(r.context_tokens for r in self.prompts)
+        for engine in self.sim.engines.values():
+            if engine.own_prompts:
+                total += sum(r.context_tokens for r in engine.own_prompts)
+        return total
 
-    def _least_loaded(self, pool: list[SimEngine]) -> SimEngine | None:
-        if not pool:
-            return None
-        if len(pool) <= _SCAN_LIMIT:
-            return min(pool, key=SimEngine.prefill_load_s)
-        a = pool[int(self._uniform() * len(pool))]
-        b = pool[int(self._uniform() * len(pool))]
-        return a if a.prefill_load_s() <= b.prefill_load_s() else b
+    def _room(self, engine: SimEngine, kind: WorkKind) -> bool:
+        """Whether `engine` would fetch a message of `kind` now (`pull_size` > 0 on its `held_work`)."""
+        est = engine.pull_estimates
+        role = engine.role
+        # The two common cases with `held_work`'s counts inlined (a call each per prompt and per handoff).
+        if role == "decode" and kind == "decode":
+            jobs = len(engine.seqs) + len(engine.arrivals) + engine.incoming
+            return decode_fetch(self.limits, jobs, engine.kv_reserved, est.kv_tokens.value) > 0
+        if role == "prefill" and kind == "prefill":
+            tokens = 0
+            for seq in engine.queue:
+                tokens += seq.context_tokens
+            for seq in engine.active:
+                tokens += seq.context_tokens
+            jobs = len(engine.queue) + len(engine.active)
+            return prefill_fetch(self.limits, jobs, tokens, est.prompt_tokens.value) > 0
+        held = held_work(engine)
+        return pull_size(role, kind, self.limits, held, est.prompt_tokens.value, est.kv_tokens.value) > 0
 
-    # -- decode handoffs --------------------------------------------------------------------------------------------
+    # -- decode handoffs ------------------------------------------------------------------------------------------
 
     def handoff(self, req: Request, now: float) -> None:
-        """A prefilled request needs a decode engine."""
-        if self.handoffs:  # FIFO: others are already waiting for room
-            self.handoffs.append(req)
-            return
-        engine = self._decode_engine_for(req)
-        if engine is None:
-            self.handoffs.append(req)
-        else:
-            engine.accept_handoff(req, now)
+        """A prefilled request is published to the shared handoff queue."""
+        if not self.handoffs:
+            line = self._handoff_line
+            while line:
+                engine = line.popleft()
+                if self._room(engine, "decode"):
+                    self._take_handoff(engine, req, now)
+                    line.append(engine)
+                    return
+                engine.handoff_fetch_waiting = False
+        self.handoffs.append(req)
+        for (
+            engine
+        ) in self.mixed_pool:  # one holding no prompt looks at its next check (one holding some, later)
+            if not engine.decode_check_pending and not (engine.queue or engine.active or engine.own_prompts):
+                self._schedule_check(engine, now)
 
-    def _decode_engine_for(self, req: Request) -> SimEngine | None:
-        pool = self.decode_pool or self.mixed_pool
-        if not pool:
-            return None
-        kv = req.context_tokens + req.output_tokens
-        n = len(pool)
-        if n > _SCAN_LIMIT:
-            # Two random picks; `decode_load` and `has_decode_room` inlined (once per handoff).
-            draws = self._draws
-            if len(draws) >= 2:  # _uniform twice, inlined (the same draws in the same order)
-                a = pool[int(draws.pop() * n)]
-                b = pool[int(draws.pop() * n)]
-            else:
-                a = pool[int(self._uniform() * n)]
-                b = pool[int(self._uniform() * n)]
-            load_a = len(a.seqs) + len(a.arrivals) + a.incoming
-            load_b = len(b.seqs) + len(b.arrivals) + b.incoming
-            if pool is self.mixed_pool:  # only a mixed engine prefills (its prompts hold KV too)
-                load_a += len(a.active)
-                load_b += len(b.active)
-            if load_b < load_a:
-                a, load_a = b, load_b
-            p = a.p
-            if load_a == 0 or (load_a < p.max_batch and a.kv_reserved + kv <= p.kv_capacity_tokens):
-                return a  # the less loaded of the two (the first on a tie), if it has room
-        fits = [e for e in pool if e.has_decode_room(kv)]
-        return min(fits, key=SimEngine.decode_load) if fits else None
+    def _take_handoff(self, engine: SimEngine, req: Request, now: float) -> None:
+        engine.pull_estimates.observe(req.context_tokens, req.output_tokens)
+        engine.accept_handoff(req, now)
 
     def pull_handoffs(self, engine: SimEngine, now: float) -> None:
-        """`engine` has room: take handoffs from the head of the queue while they fit."""
+        """At `engine`'s step boundary (or a mixed engine's due check): take handoffs from the head of the queue
+        while it has room. A decode engine with room left then waits in line; a mixed engine takes handoffs only
+        with no prompt held, and after a look that found none, not again for `decode_check_s`."""
         queue = self.handoffs
-        while queue:
-            req = queue[0]
-            if req.cancelled:
-                queue.popleft()
-                continue
-            if not engine.has_decode_room(req.context_tokens + req.output_tokens):
+        if engine.role == "mixed":
+            if engine.queue or engine.active or engine.own_prompts:
+                return  # its prompts come first; it looks again at a boundary without them
+            if now < engine.decode_due_s:
+                if queue and not engine.decode_check_pending:
+                    self._schedule_check(engine, now)
                 return
-            queue.popleft()
-            engine.accept_handoff(req, now)
+            if not queue:
+                engine.decode_due_s = now + self.pull.decode_check_s
+                return
+            engine.decode_due_s = now  # it found some: it looks again at once (`_last_decode_check = -inf`)
+        while queue and self._room(engine, "decode"):
+            req = queue.popleft()
+            if not req.cancelled:
+                self._take_handoff(engine, req, now)
+        if (
+            engine.role == "decode"
+            and not engine.handoff_fetch_waiting
+            and not queue
+            and self._room(engine, "decode")
+        ):
+            engine.handoff_fetch_waiting = True
+            self._handoff_line.append(engine)
+
+    def _schedule_check(self, engine: SimEngine, now: float) -> None:
+        """A mixed engine holding no prompt looks at the handoff queue every `decode_check_s` from its last look
+        that found none: the first such time at or after `now`."""
+        check, due = self.pull.decode_check_s, engine.decode_due_s
+        if now > due:
+            due += math.ceil((now - due) / check) * check
+        engine.decode_check_pending = True
+        self.sim.queue.push(due, ev.DECODE_CHECK, engine, None)
+
+    def on_decode_check(self, engine: SimEngine, now: float) -> None:
+        """A mixed engine's look at the handoff queue falls due (scheduled while handoffs waited)."""
+        engine.decode_check_pending = False
+        if engine.state == ACTIVE and engine.role == "mixed":
+            self.pull_handoffs(engine, now)  # what it takes arrives by a HANDOFF_ARRIVE event

@@ -41,9 +41,6 @@ class SimConfig:
     drain_bound_s: float = (
         5.0  # a switching engine keeps decodes expected to finish within this, migrates others
     )
-    affinity_overload_s: float = (
-        2.0  # queued prefill seconds above which a trajectory leaves its affine engine
-    )
     # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, ensemble);
     # used only by policies that read forecasts (`AllocatorPolicy.uses_forecast`).
     forecaster: str = "ensemble"
@@ -87,7 +84,6 @@ class SimConfig:
             "group_size": self.group_size,
             "window_s": self.window_s,
             "drain_bound_s": self.drain_bound_s,
-            "affinity_overload_s": self.affinity_overload_s,
             "forecaster": self.forecaster,
         }
 

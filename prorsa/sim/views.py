@@ -63,7 +63,7 @@ class ViewBuilder:
         view = ClusterView(
             now=now,
             engines=engines,
-            prefill_queue_tokens=sim.router.pending_tokens()
+            prefill_queue_tokens=sim.router.queued_prompt_tokens()
             + sum(e.queued_tokens for e in sim.engines.values()),
             decode_queue_len=len(sim.router.handoffs),
             prefill_tokens_per_s=(computed - self._computed) / dt if dt > 0 else 0.0,

@@ -130,6 +130,7 @@ class EngineCore:
     # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
     # them every attribute access on the hot path is a dict lookup.
     __slots__ = ("p", "role", "state", "cache", "busy_s", "wake_s", "waiting_handoffs", "tally", "observed")
+    __slots__ += ("waiting_prompts", "own_prompts", "prompt_fetch_waiting", "handoff_fetch_waiting")
     __slots__ += ("_cost", "_jump")
     __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
     __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
@@ -147,6 +148,14 @@ class EngineCore:
         # Handoffs waiting for a decode engine with room, where the driver keeps them in one shared queue (the
         # simulator's router); an engine that decodes pulls at its step boundaries while any wait.
         self.waiting_handoffs: Sized = ()
+        # Likewise prompts waiting in the shared prefill queue and in this engine's own (addressed) queue: an engine
+        # that prefills pulls at its step boundaries while any wait (`_pull_prompts`).
+        self.waiting_prompts: Sized = ()
+        self.own_prompts: Sized = ()
+        # Whether the driver holds a fetch of this engine waiting at the shared queues (work posted there goes
+        # straight to it): while one waits and no work does, a step boundary has nothing to pull.
+        self.prompt_fetch_waiting = True
+        self.handoff_fetch_waiting = True
         self.tally: StepTally | None = None  # where to count the work done (None: nowhere)
         self.observed = False  # whether the driver wants `_on_decode_started` and `_on_progress`
         self._cost = step_cost(profile)  # the perf model's fast path for this profile
@@ -212,7 +221,12 @@ class EngineCore:
         """`seq` decoded its last token (it has left the batch)."""
 
     def _pull_handoffs(self, now: float) -> None:
-        """At a step boundary with `waiting_handoffs` non-empty, on an engine that decodes: take those that fit."""
+        """At a step boundary on an engine that decodes, with `waiting_handoffs` non-empty or no fetch waiting
+        (`handoff_fetch_waiting`): take what its room allows (`accept_handoff`)."""
+
+    def _pull_prompts(self, now: float) -> None:
+        """At a step boundary on an engine that prefills, with `waiting_prompts` or `own_prompts` non-empty or no
+        fetch waiting (`prompt_fetch_waiting`): take what its room allows (`take_prompt`)."""
 
     def _drain(self, now: float) -> None:
         """At a step boundary while DRAINING, before planning (the driver migrates long decodes)."""
@@ -313,6 +327,12 @@ class EngineCore:
         self.queued_tokens += seq.est_tokens
         self._poke(now)
 
+    def take_prompt(self, seq: CoreSeq) -> None:
+        """Queue a prompt pulled at a step boundary (`_pull_prompts`): the boundary plans next, so no poke."""
+        seq.est_tokens = seq.context_tokens - self._lookup(seq)
+        self.queue.append(seq)
+        self.queued_tokens += seq.est_tokens
+
     def accept_handoff(self, seq: CoreSeq, now: float) -> float:
         """Take a prefilled request: reserve its KV and start the transfer. Returns when its KV arrives (the driver
         calls `on_handoff_arrive` then)."""
@@ -404,8 +424,14 @@ class EngineCore:
         role, draining = self.role, self.state == DRAINING
         if draining:
             self._drain(now)
-        elif self.waiting_handoffs and role != "prefill":
+        elif role != "prefill" and (self.waiting_handoffs or not self.handoff_fetch_waiting):
             self._pull_handoffs(now)
+        if (
+            role != "decode"
+            and not draining
+            and (self.waiting_prompts or self.own_prompts or not self.prompt_fetch_waiting)
+        ):
+            self._pull_prompts(now)
         # Plan the next activity. With no prompt started or queued there are no chunks to take.
         if role == "prefill":
             if self.active or self.queue:
