@@ -10,6 +10,10 @@ the 10 the rollout tests use: the live path's overhead is wall time, multiplied 
 and at 10 one scheduler hiccup on a loaded 2-core machine (50 ms) already spent the tolerance (CI saw 0.58 s on one
 TTFT). At 2, 0.3 s is 150 ms of wall time; with both cores busy the worst excess measured 0.11 s. Each case runs
 about 2.5 s of wall time.
+
+One retry: a live run on a shared 2-core machine can still stall for most of a second once (CI, with other suites
+running beside it, saw one request wait 0.7 s of wall time for its first token while the engine's batch ran on),
+so a run out of tolerance is repeated once. A rule the two drivers kept apart fails both runs.
 """
 
 from __future__ import annotations
@@ -132,19 +136,25 @@ async def test_live_engines_and_the_simulator_agree_per_request(
     nats_server, monkeypatch, policy: str, roles: tuple[str, ...]
 ) -> None:
     monkeypatch.setenv("PRORSA_TIME_SCALE", str(SCALE))
-    live = await _live(nats_server.url, roles)
     sim = _simulated(policy, len(roles))
-    assert sorted(live) == sorted(sim) == [f"d{i}" for i in range(len(REQUESTS))]
-    worst = 0.0
-    for rid in sorted(sim):
-        (ttft_l, e2e_l), (ttft_s, e2e_s) = live[rid], sim[rid]
-        print(
-            f"{policy} {rid}: ttft live {ttft_l:.3f} sim {ttft_s:.3f}; finish live {e2e_l:.3f} sim {e2e_s:.3f}"
-        )
-        for got, want in ((ttft_l, ttft_s), (e2e_l, e2e_s)):
-            assert abs(got - want) <= 0.3 + 0.1 * want, f"{rid}: live {got:.3f} s vs simulated {want:.3f} s"
-            worst = max(worst, abs(got - want) - 0.1 * want)
-    print(f"{policy}: worst excess over 10 % {worst:.3f} s")
+    for attempt in (1, 2):
+        live = await _live(nats_server.url, roles)
+        assert sorted(live) == sorted(sim) == [f"d{i}" for i in range(len(REQUESTS))]
+        worst, out = 0.0, []
+        for rid in sorted(sim):
+            (ttft_l, e2e_l), (ttft_s, e2e_s) = live[rid], sim[rid]
+            print(
+                f"{policy} run {attempt} {rid}: ttft live {ttft_l:.3f} sim {ttft_s:.3f}; "
+                f"finish live {e2e_l:.3f} sim {e2e_s:.3f}"
+            )
+            for got, want in ((ttft_l, ttft_s), (e2e_l, e2e_s)):
+                if abs(got - want) > 0.3 + 0.1 * want:
+                    out.append(f"{rid}: live {got:.3f} s vs simulated {want:.3f} s")
+                worst = max(worst, abs(got - want) - 0.1 * want)
+        print(f"{policy} run {attempt}: worst excess over 10 % {worst:.3f} s")
+        if not out:
+            return
+    raise AssertionError(f"out of tolerance in both runs, the second: {out}")
 
 
 @pytest.mark.parametrize(
@@ -157,13 +167,19 @@ async def test_live_placement_and_the_simulated_one_agree_on_average(
     """Several engines of a role: which engine pulls which prompt or handoff. Live, that is a race between the
     engines' fetches at the server (each run assigns differently: one request's finish moved 1.21–1.60 s over four
     runs against 1.29 s simulated), so the requests are compared on average: mean TTFT and mean finish time within
-    0.3 s + 10 %, as one request is above."""
+    0.3 s + 10 %, as one request is above (one retry, as above)."""
     monkeypatch.setenv("PRORSA_TIME_SCALE", str(SCALE))
-    live = await _live(nats_server.url, roles)
     sim = _simulated(policy, len(roles))
-    assert sorted(live) == sorted(sim) == [f"d{i}" for i in range(len(REQUESTS))]
-    for i, what in enumerate(("TTFT", "finish")):
-        got = sum(v[i] for v in live.values()) / len(live)
-        want = sum(v[i] for v in sim.values()) / len(sim)
-        print(f"{policy} mean {what}: live {got:.3f} s, simulated {want:.3f} s")
-        assert abs(got - want) <= 0.3 + 0.1 * want
+    for attempt in (1, 2):
+        live = await _live(nats_server.url, roles)
+        assert sorted(live) == sorted(sim) == [f"d{i}" for i in range(len(REQUESTS))]
+        out = []
+        for i, what in enumerate(("TTFT", "finish")):
+            got = sum(v[i] for v in live.values()) / len(live)
+            want = sum(v[i] for v in sim.values()) / len(sim)
+            print(f"{policy} run {attempt} mean {what}: live {got:.3f} s, simulated {want:.3f} s")
+            if abs(got - want) > 0.3 + 0.1 * want:
+                out.append(f"mean {what}: live {got:.3f} s vs simulated {want:.3f} s")
+        if not out:
+            return
+    raise AssertionError(f"out of tolerance in both runs, the second: {out}")
