@@ -432,7 +432,8 @@ def test_build_view_maps_stats_targets_and_queues() -> None:
     assert (
         by_id["m"].switching and by_id["m"].target_role == "decode" and by_id["m"].prefill_tokens_per_s == 9.0
     )
-    # 10 prefill messages held, none pulled by a prefill engine any more: 10 × mean ISL waiting.
-    assert view.prefill_queue_tokens == 10 * 1000
+    # 10 prefill messages held; the prefill engine's switch is acked (drained), the mixed engine holds 4 turns it
+    # pulled: 6 × mean ISL waiting.
+    assert view.prefill_queue_tokens == 6 * 1000
     assert view.decode_queue_len == 50 - 40 - 2 - 1  # the two decode engines' pulled work is not waiting
     assert view.roles() == {"d": "decode", "m": "decode", "p": "decode"}
