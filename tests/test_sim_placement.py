@@ -124,3 +124,17 @@ def test_a_mixed_engine_holding_no_prompt_looks_at_handoffs_every_check_interval
     assert engine == "engine-1" and result.sim.engines["engine-1"].role == "mixed"
     check = PullConfig().decode_check_s
     assert started == pytest.approx(check + pm.kv_transfer_time_s(p, 1_000))
+
+
+def test_the_policy_sees_what_the_live_allocator_would_estimate():
+    # The view is the live allocator's `build_view` on the engines' stats and the WORK stream's depth: two prompts
+    # pulled by the prefill engine (their whole contexts in flight) and two waiting in the shared queue (counted at
+    # the recent mean prompt: the one prefill started, 20,480 tokens).
+    prompt = 20_480
+    result, _ = _run(_burst(4, prompt), "static:1:1", engines=2, duration_s=1e-6)
+    view = result.sim.cluster_view(1e-6)
+    prefill = next(v for v in view.engines if v.role == "prefill")
+    assert prefill.queued_prefill_tokens == prefill.in_flight_tokens == 2 * prompt
+    assert view.recent_mean_isl_tokens == prompt
+    assert view.prefill_queue_tokens == 4 * prompt
+    assert view.decode_queue_len == 0

@@ -197,13 +197,9 @@ class Router:
             engine.prompt_fetch_waiting = True
             self._prompt_line.append(engine)
 
-    def queued_prompt_tokens(self) -> int:
-        """Context tokens of prompts no engine has pulled yet (shared and addressed queues)."""
-        total = sum(r.context_tokens for r in self.prompts)
-        for engine in self.sim.engines.values():
-            if engine.own_prompts:
-                total += sum(r.context_tokens for r in engine.own_prompts)
-        return total
+    def unpulled_prompts(self) -> int:
+        """Prompts no engine has pulled yet (shared and addressed queues)."""
+        return len(self.prompts) + sum(len(e.own_prompts) for e in self.sim.engines.values())
 
     def _room(self, engine: SimEngine, kind: WorkKind) -> bool:
         """Whether `engine` would fetch a message of `kind` now (`pull_size` > 0 on its `held_work`)."""

@@ -1,7 +1,9 @@
-"""What the allocator policy sees of the simulated cluster: a `ClusterView` per decision.
+"""What the allocator policy sees of the simulated cluster: a `ClusterView` per decision, built by the live
+allocator's own `services.allocator.observed.build_view` from what it would observe.
 
 Rates and request statistics cover the interval since the previous view (the policy's interval), measured from
-cumulative counters, as the live allocator measures them from engine stats. `forecast` and `snapshot` come from a
+cumulative counters. Live, an engine's rates cover its last stats interval (1 s) and its stats are up to that old;
+here they cover the policy's interval and are current. `forecast` and `snapshot` come from a
 `DemandFeed` when the run has one (a policy that reads forecasts: `prorsa.sim.forecast_feed`, or the oracle's truth,
 `prorsa.sim.truth_feed`), else they stay None.
 """
@@ -9,11 +11,14 @@ cumulative counters, as the live allocator measures them from engine stats. `for
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from prorsa.sim.engine import ACTIVE, SimEngine
-from proto import DemandForecast
-from services.allocator.policy import ClusterView, EngineView
+from prorsa.sim.engine import SimEngine
+from prorsa.sim.metrics import Metrics
+from proto import DemandForecast, EngineStats
+from services.allocator.observed import QueueDepth, RecentLoad, RecentWindow, build_view
+from services.allocator.policy import ClusterView
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
@@ -28,83 +33,98 @@ class DemandFeed(Protocol):
 
 
 class ViewBuilder:
-    """Builds `ClusterView`s; remembers the counters of the previous one to turn totals into interval rates."""
+    """Builds `ClusterView`s with the live allocator's `build_view`, from what the live allocator would observe:
+    every engine's `EngineStats` (`SimEngine.stats`, token rates over the interval since the previous view), the
+    commands in flight, the WORK stream's depth and the recent load. Remembers the counters of the previous view
+    to turn totals into interval rates and means."""
 
     def __init__(self, sim: Simulation, feed: DemandFeed | None = None) -> None:
         self.sim = sim
         self.feed = feed
         self._t = 0.0
         self._engine_done: dict[str, tuple[int, int]] = {}  # engine_id → (prefill, decode) tokens done
-        self._computed = 0
-        self._decoded = 0
-        self._starts = 0
-        self._prompt = 0
-        self._hits = 0
-        self._finished = 0
-        self._finished_out = 0
-        self._submitted = 0
-        self._new_prompt = 0
+        self._totals = _Totals()
         # Every forecast a decision read, for the report's forecast-vs-realised plot (one per policy tick).
         self.forecasts: list[DemandForecast] = []
 
     def build(self, now: float) -> ClusterView:
-        sim, m = self.sim, self.sim.metrics
+        sim = self.sim
         dt = now - self._t
-        engines = tuple(self._engine_view(e, dt) for e in sim.engines.values())
-        computed = m.prefill_computed_tokens + m.migration_recompute_tokens
-        starts = m.prefill_starts - self._starts
-        finished = m.turns_finished - self._finished
-        submitted = m.turns_submitted - self._submitted
+        self._t = now
+        stats = {e.engine_id: self._stats(e, now, dt) for e in sim.engines.values()}
+        targets = {e.engine_id: e.target_role for e in sim.engines.values() if e.target_role}
         snapshot, forecast = (
             self.feed.at(now, sim.engines.values()) if self.feed is not None else (None, None)
         )
         if isinstance(forecast, DemandForecast):
             self.forecasts.append(forecast)
-        view = ClusterView(
-            now=now,
-            engines=engines,
-            prefill_queue_tokens=sim.router.queued_prompt_tokens()
-            + sum(e.queued_tokens for e in sim.engines.values()),
-            decode_queue_len=len(sim.router.handoffs),
-            prefill_tokens_per_s=(computed - self._computed) / dt if dt > 0 else 0.0,
-            decode_tokens_per_s=(m.decoded_tokens - self._decoded) / dt if dt > 0 else 0.0,
+        return build_view(
+            now,
+            stats,
+            targets,
+            {},
+            self._queue_depth(),
+            self._recent(dt),
             forecast=forecast,
             snapshot=snapshot,
-            recent_window_s=dt,
-            recent_requests=submitted,
-            recent_mean_isl_tokens=((m.prompt_tokens - self._prompt) - (m.prefix_hit_tokens - self._hits))
-            / starts
-            if starts
-            else 0.0,
-            recent_mean_cached_tokens=(m.prefix_hit_tokens - self._hits) / starts if starts else 0.0,
-            recent_mean_osl_tokens=(m.finished_output_tokens - self._finished_out) / finished
-            if finished
-            else 0.0,
-            recent_mean_new_tokens=(m.new_prompt_tokens - self._new_prompt) / submitted if submitted else 0.0,
         )
-        self._t, self._computed, self._decoded = now, computed, m.decoded_tokens
-        self._starts, self._prompt, self._hits = m.prefill_starts, m.prompt_tokens, m.prefix_hit_tokens
-        self._finished, self._finished_out = m.turns_finished, m.finished_output_tokens
-        self._submitted = m.turns_submitted
-        self._new_prompt = m.new_prompt_tokens
-        return view
 
-    def _engine_view(self, e: SimEngine, dt: float) -> EngineView:
+    def _stats(self, e: SimEngine, now: float, dt: float) -> EngineStats:
         prefill0, decode0 = self._engine_done.get(e.engine_id, (0, 0))
         self._engine_done[e.engine_id] = (e.prefill_tokens_done, e.decode_tokens_done)
-        return EngineView(
-            engine_id=e.engine_id,
-            role=e.role,
-            running=len(e.seqs) + len(e.active),
-            waiting=len(e.queue) + len(e.arrivals),
-            queued_prefill_tokens=e.queued_tokens,
-            decode_batch=len(e.seqs),
-            kv_used_tokens=e.kv_reserved,
-            kv_capacity_tokens=e.p.kv_capacity_tokens,
-            in_flight_tokens=e.tokens_in_flight(),
-            switching=e.state != ACTIVE,
-            target_role=e.target_role,
-            prefill_tokens_per_s=(e.prefill_tokens_done - prefill0) / dt if dt > 0 else 0.0,
-            decode_tokens_per_s=(e.decode_tokens_done - decode0) / dt if dt > 0 else 0.0,
-            prefix_cache_tokens=e.cache.used_tokens,
+        if dt <= 0:
+            return e.stats(now)
+        return e.stats(now, (e.prefill_tokens_done - prefill0) / dt, (e.decode_tokens_done - decode0) / dt)
+
+    def _queue_depth(self) -> QueueDepth:
+        """Messages in the WORK stream: not pulled yet, or pulled and not acked — a prompt until its prefill ends
+        on a prefill engine (it is handed off) or its turn ends on a mixed one, a handoff until its decode ends."""
+        router = self.sim.router
+        prompts, handoffs = router.unpulled_prompts(), len(router.handoffs)
+        for e in self.sim.engines.values():
+            if e.role == "decode":
+                handoffs += len(e.seqs) + len(e.arrivals) + e.incoming
+            else:
+                prompts += len(e.queue) + len(e.active) + (len(e.seqs) if e.role == "mixed" else 0)
+        return QueueDepth(prefill_messages=prompts, decode_messages=handoffs)
+
+    def _recent(self, dt: float) -> RecentWindow:
+        """The live allocator's `RecentLoad` over the interval, from the run's totals."""
+        now, before = _Totals.of(self.sim.metrics), self._totals
+        self._totals = now
+        load = RecentLoad(
+            requests=now.submitted - before.submitted,
+            submitted_new_tokens=now.new_prompt - before.new_prompt,
+            submitted_prompt_tokens=now.prompt - before.prompt,
+            prefills=now.starts - before.starts,
+            prefill_new_tokens=(now.prompt - now.hits) - (before.prompt - before.hits),
+            prefill_cached_tokens=now.hits - before.hits,
+            finished=now.finished - before.finished,
+            output_tokens=now.finished_out - before.finished_out,
+        )
+        return load.window(max(0.0, dt))
+
+
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    """The run's cumulative counters a view's recent load is the difference of."""
+
+    submitted: int = 0
+    new_prompt: int = 0
+    prompt: int = 0
+    starts: int = 0
+    hits: int = 0
+    finished: int = 0
+    finished_out: int = 0
+
+    @staticmethod
+    def of(m: Metrics) -> _Totals:
+        return _Totals(
+            m.turns_submitted,
+            m.new_prompt_tokens,
+            m.prompt_tokens,
+            m.prefill_starts,
+            m.prefix_hit_tokens,
+            m.turns_finished,
+            m.finished_output_tokens,
         )
