@@ -14,7 +14,7 @@ from prorsa.sim.sim_driver import MODES, StepSource
 from prorsa.sim.views import DemandFeed
 from services.allocator.policy import AllocatorPolicy
 from services.allocator.registry import make_policy
-from services.engine_agent.backends.sim_backend import DEFAULT_MAX_MODEL_LEN
+from services.engine_agent.engine_core import DEFAULT_MAX_MODEL_LEN
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
 

@@ -96,7 +96,8 @@ def extend(p: argparse.ArgumentParser) -> None:
 def make_backend(args: argparse.Namespace, engine_id: str) -> Backend:
     """The backend named by `--backend`. Raises SystemExit with a clear message when it cannot be built."""
     if args.backend == "sim":
-        from services.engine_agent.backends.sim_backend import DEFAULT_MAX_MODEL_LEN, SimBackend
+        from services.engine_agent.backends.sim_backend import SimBackend
+        from services.engine_agent.engine_core import DEFAULT_MAX_MODEL_LEN
         from services.runtime.model_profiles import load_profile
 
         try:

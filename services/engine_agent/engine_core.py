@@ -55,6 +55,9 @@ IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3  # activities
 _RID_BITS = 48  # request ids below 2**48 (one per turn: ~10**14)
 _RID_MASK = (1 << _RID_BITS) - 1
 WHOLE_CONTEXT = 1 << 62  # `cacheable_tokens` of a sequence whose whole context may hit the prefix cache
+# The simulated engine's context limit, both drivers' default (live backend, simulator): Qwen3 with YaRN; the SWE
+# trace's contexts reach ~76k tokens at p99.
+DEFAULT_MAX_MODEL_LEN = 131_072
 
 
 class StepTally(Protocol):

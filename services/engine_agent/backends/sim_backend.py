@@ -40,7 +40,7 @@ from services.engine_agent.backend import (
     RequestAborted,
 )
 from services.engine_agent.backends.sim_tokens import QWEN3_VOCAB_SIZE, SimTokens
-from services.engine_agent.engine_core import WHOLE_CONTEXT, CoreSeq
+from services.engine_agent.engine_core import DEFAULT_MAX_MODEL_LEN, WHOLE_CONTEXT, CoreSeq
 from services.engine_agent.solo_engine import SoloEngine
 from services.runtime import perf_model as pm
 from services.runtime.clock import Clock, scale_from_env
@@ -49,7 +49,6 @@ from services.runtime.perf_model import ModelProfile
 
 SeqMode = Literal["generate", "prefill", "decode"]
 
-DEFAULT_MAX_MODEL_LEN = 131_072  # Qwen3 with YaRN; the SWE trace's contexts reach ~76k tokens at p99
 DEFAULT_KV_TTL_S = 480.0
 DEFAULT_SPEEDUP = (
     10.0  # virtual seconds per wall second when neither `speedup` nor $PRORSA_TIME_SCALE is given
