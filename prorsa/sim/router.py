@@ -49,16 +49,21 @@ if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
 
 
+def _prompt_tokens(engine: SimEngine) -> int:
+    """Context tokens of the prompts `engine` holds and has not prefilled (queued or started)."""
+    tokens = 0
+    for seq in engine.queue:
+        tokens += seq.context_tokens
+    for seq in engine.active:
+        tokens += seq.context_tokens
+    return tokens
+
+
 def held_work(engine: SimEngine) -> HeldWork:
     """What the live job runner would count as held (`JobRunner.held`): prompts not yet prefilled with their
     context tokens; requests that decode here with their KV reservation (context plus expected output)."""
     prompts = len(engine.queue) + len(engine.active)
-    prompt_tokens = 0
-    if prompts:
-        for seq in engine.queue:
-            prompt_tokens += seq.context_tokens
-        for seq in engine.active:
-            prompt_tokens += seq.context_tokens
+    prompt_tokens = _prompt_tokens(engine)
     role = engine.role
     if role == "prefill":
         return HeldWork(prompts, prompt_tokens, 0, 0)
@@ -164,16 +169,11 @@ class Router:
         if self.prompts:  # FIFO: others wait already, so no engine has room
             self.prompts.append(req)
             return
-        line = self._prompt_line
-        while line:
-            engine = line.popleft()
-            if self._room(engine, "prefill"):
-                self._take_prompt(engine, req, now)
-                # It fetches again, to the back of the line (its room is checked when it is served).
-                line.append(engine)
-                return
-            engine.prompt_fetch_waiting = False  # out of room: it pulls again at a step boundary
-        self.prompts.append(req)
+        engine = self._serve(self._prompt_line, "prefill")
+        if engine is None:
+            self.prompts.append(req)
+        else:
+            self._take_prompt(engine, req, now)
 
     def _take_prompt(self, engine: SimEngine, req: Request, now: float) -> None:
         """Deliver a prompt to an engine between its steps (it queues the prompt and pokes itself)."""
@@ -201,6 +201,21 @@ class Router:
         """Prompts no engine has pulled yet (shared and addressed queues)."""
         return len(self.prompts) + sum(len(e.own_prompts) for e in self.sim.engines.values())
 
+    def _serve(self, line: deque[SimEngine], kind: WorkKind) -> SimEngine | None:
+        """The engine whose waiting fetch takes the next message of `kind`: the first in `line` with room. It
+        fetches again, to the back of the line (its room is checked when it is served); those found without room
+        leave the line and pull again at a step boundary."""
+        while line:
+            engine = line.popleft()
+            if self._room(engine, kind):
+                line.append(engine)
+                return engine
+            if kind == "prefill":
+                engine.prompt_fetch_waiting = False
+            else:
+                engine.handoff_fetch_waiting = False
+        return None
+
     def _room(self, engine: SimEngine, kind: WorkKind) -> bool:
         """Whether `engine` would fetch a message of `kind` now (`pull_size` > 0 on its `held_work`)."""
         est = engine.pull_estimates
@@ -210,13 +225,8 @@ class Router:
             jobs = len(engine.seqs) + len(engine.arrivals) + engine.incoming
             return decode_fetch(self.limits, jobs, engine.kv_reserved, est.kv_tokens.value) > 0
         if role == "prefill" and kind == "prefill":
-            tokens = 0
-            for seq in engine.queue:
-                tokens += seq.context_tokens
-            for seq in engine.active:
-                tokens += seq.context_tokens
             jobs = len(engine.queue) + len(engine.active)
-            return prefill_fetch(self.limits, jobs, tokens, est.prompt_tokens.value) > 0
+            return prefill_fetch(self.limits, jobs, _prompt_tokens(engine), est.prompt_tokens.value) > 0
         held = held_work(engine)
         return pull_size(role, kind, self.limits, held, est.prompt_tokens.value, est.kv_tokens.value) > 0
 
@@ -224,19 +234,14 @@ class Router:
 
     def handoff(self, req: Request, now: float) -> None:
         """A prefilled request is published to the shared handoff queue."""
-        if not self.handoffs:
-            line = self._handoff_line
-            while line:
-                engine = line.popleft()
-                if self._room(engine, "decode"):
-                    self._take_handoff(engine, req, now)
-                    line.append(engine)
-                    return
-                engine.handoff_fetch_waiting = False
+        if not self.handoffs:  # FIFO: with handoffs waiting already, no decode engine has room
+            engine = self._serve(self._handoff_line, "decode")
+            if engine is not None:
+                self._take_handoff(engine, req, now)
+                return
         self.handoffs.append(req)
-        for (
-            engine
-        ) in self.mixed_pool:  # one holding no prompt looks at its next check (one holding some, later)
+        # A mixed engine holding no prompt looks at its next check (one holding some, at a boundary without them).
+        for engine in self.mixed_pool:
             if not engine.decode_check_pending and not (engine.queue or engine.active or engine.own_prompts):
                 self._schedule_check(engine, now)
 
