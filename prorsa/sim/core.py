@@ -10,7 +10,10 @@ import copy
 import heapq
 import itertools
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from mypy_extensions import mypyc_attr
 
 from prorsa.sim import events as ev
 from prorsa.sim.engine import SimEngine
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from prorsa.sim.runner import SimConfig
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class Simulation:
     """One run. Build it, call `run()`, read `metrics`, `driver`, `engines`."""
 
@@ -48,7 +52,6 @@ class Simulation:
         self.metrics = Metrics(config.window_s)
         self.router = Router(self)
         self.driver = Driver(self, workload, config.steps)
-        self.driver.on_weights_update.append(self._weights_updated)
         width = len(str(config.engines - 1))
         ids = [f"engine-{i:0{width}d}" for i in range(config.engines)]
         roles = policy.initial_plan(ids).roles
@@ -214,7 +217,8 @@ class Simulation:
             )
 
     def emit_decode_progress(self, engine: SimEngine, now: float) -> None:
-        for req in engine.seqs.values():
+        for seq in engine.seqs.values():
+            req = cast(Request, seq)
             self.emit(
                 ev.DECODE_PROGRESS,
                 req.traj,
@@ -256,7 +260,7 @@ class Simulation:
         if self.observer is not None:
             self.observer.on_event(kind, traj.spec.traj_id, now, attempt=traj.attempt, **fields)
 
-    def _weights_updated(self, now: float) -> None:
+    def weights_updated(self, now: float) -> None:
         """New policy version: cached KV was computed by the old weights."""
         for engine in self.engines.values():
             engine.cache.clear()
@@ -279,7 +283,7 @@ class Simulation:
                 self.apply_plan(plan.roles, view, now)
         self.queue.push(now + self.policy.interval_s, ev.POLICY_TICK)
 
-    def apply_plan(self, roles: dict[str, str], view: ClusterView, now: float) -> None:
+    def apply_plan(self, roles: Mapping[str, str], view: ClusterView, now: float) -> None:
         """Move engines toward `roles` as the live allocator does: through its `SwitchCoordinator` (one command in
         flight per engine, at most a quarter of the fleet switching at once, never a role emptied while it has
         demand), fed with the stats every engine would publish now."""

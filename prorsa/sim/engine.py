@@ -6,16 +6,18 @@ wake-ups go on the event heap, a prompt prefilled on a prefill engine goes to th
 by a `HANDOFF_ARRIVE` event, a finished turn goes to the RL driver, and lifecycle events go to an observer when one
 is attached. The core counts the work done into the run's `Metrics` itself (its `tally`).
 
-Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`, mixed in here.
+Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`.
 """
 
 from __future__ import annotations
 
 from heapq import heappush
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from mypy_extensions import mypyc_attr
+
+from prorsa.sim import engine_switching as switching
 from prorsa.sim import events as ev
-from prorsa.sim.engine_switching import RoleSwitching
 from proto import EngineStats
 from services.engine_agent.engine_core import ACTIVE, DRAINING, IDLE, JUMP, RECONFIG, CoreSeq, EngineCore
 from services.engine_agent.pull_capacity import PullEstimates
@@ -30,12 +32,14 @@ __all__ = ["ACTIVE", "DRAINING", "IDLE", "JUMP", "RECONFIG", "SimEngine"]
 ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 
 
-class SimEngine(RoleSwitching, EngineCore):
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
+class SimEngine(EngineCore):
     """An engine core inside the simulator. All methods take the current virtual time `now`."""
 
-    __slots__ = ("engine_id", "sim", "router", "metrics", "target_role", "_push", "_heap", "_due", "_more")
-    __slots__ += ("_turn_done", "epoch", "pending_epoch", "drain_bound_s")
-    __slots__ += ("pull_estimates", "decode_due_s", "decode_check_pending")
+    __slots__ = tuple(  # one expression: mypy cannot type a tuple grown by `+=` (`prorsa.native_build`)
+        "engine_id sim router metrics target_role _push _heap _due _more driver epoch"  # noqa: SIM905
+        " pending_epoch drain_bound_s pull_estimates decode_due_s decode_check_pending".split()
+    )
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
         super().__init__(profile, role)
@@ -49,7 +53,9 @@ class SimEngine(RoleSwitching, EngineCore):
         # For the per-step wake-ups, which inline `EventQueue.push`.
         self._heap, self._due, self._more = sim.queue.heap, sim.queue.due, sim.queue.more
         self.observed = sim.observer is not None  # lifecycle events to emit (set again by Simulation.run)
-        self._turn_done = sim.driver.on_turn_done
+        # A finished turn goes to the driver: held as an attribute, not as its bound method, which a fork's copy
+        # would share when compiled (and report to the original run).
+        self.driver = sim.driver
         self.target_role = ""
         self.epoch = 0  # newest role-switch command applied (what its stats would report)
         self.pending_epoch = 0  # newest command received
@@ -100,7 +106,7 @@ class SimEngine(RoleSwitching, EngineCore):
             heappush(self._heap, t)
 
     def _hand_off(self, seq: CoreSeq, now: float) -> None:
-        self.router.handoff(seq, now)
+        self.router.handoff(cast("Request", seq), now)  # the simulator's engines hold its requests
 
     def _hands_off_while_draining(self) -> bool:
         return self.router.has_decode_engines()
@@ -124,7 +130,7 @@ class SimEngine(RoleSwitching, EngineCore):
         self.sim.emit_decode_progress(self, now)
 
     def _on_finished(self, seq: CoreSeq, now: float) -> None:
-        self._turn_done(seq, now)
+        self.driver.on_turn_done(cast("Request", seq), now)
 
     def _pull_handoffs(self, now: float) -> None:
         self.router.pull_handoffs(self, now)
@@ -133,7 +139,18 @@ class SimEngine(RoleSwitching, EngineCore):
         self.router.pull_prompts(self, now)
 
     def _drain(self, now: float) -> None:
-        self._migrate_long_decodes(now)
+        switching.migrate_long_decodes(self, now)
 
     def _on_drained(self, now: float) -> None:
-        self._start_reconfig(now)
+        switching.start_reconfig(self, now)
+
+    # -- switching (`prorsa.sim.engine_switching`) --------------------------------------------------------------
+
+    def request_switch(
+        self, role: str, now: float, epoch: int = 0, drain_bound_s: float | None = None
+    ) -> None:
+        """Start moving to `role` under command `epoch` (`engine_switching.request_switch`)."""
+        switching.request_switch(self, role, now, epoch, drain_bound_s)
+
+    def on_reconfig_done(self, token: int, now: float) -> None:
+        switching.on_reconfig_done(self, token, now)

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from mypy_extensions import mypyc_attr
 
 from prorsa.client.directory import EngineDirectory
 from prorsa.sim import events as ev
@@ -76,6 +78,7 @@ def held_work(engine: SimEngine) -> HeldWork:
     return HeldWork(prompts, prompt_tokens, decodes, kv)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class Router:
     """The shared queues and the engines' pulls from them."""
 
@@ -136,7 +139,7 @@ class Router:
         own = engine.own_prompts
         if own:
             engine.own_prompts = ()
-            for req in own:
+            for req in cast("deque[Request]", own):  # a deque while not empty (`_address`)
                 self._post(req, now)
 
     # -- prompts --------------------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ class Router:
             return
         if not own:
             engine.own_prompts = own = deque()
-        own.append(req)  # type: ignore[union-attr]
+        cast("deque[Request]", own).append(req)
 
     def _post(self, req: Request, now: float) -> None:
         if self.prompts:  # FIFO: others wait already, so no engine has room
@@ -186,7 +189,7 @@ class Router:
         own = engine.own_prompts
         queue = self.prompts
         while (own or queue) and self._room(engine, "prefill"):
-            req = own.popleft() if own else queue.popleft()  # type: ignore[union-attr]
+            req = cast("deque[Request]", own).popleft() if own else queue.popleft()
             if req.cancelled:
                 continue
             engine.pull_estimates.observe(req.context_tokens, req.output_tokens)

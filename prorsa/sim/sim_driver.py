@@ -20,8 +20,9 @@ The run ends when `steps` batches have been trained, or at `duration_s` of virtu
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from mypy_extensions import mypyc_attr
 
 from prorsa.sim import events as ev
 from prorsa.sim.state import Request, Traj
@@ -42,6 +43,7 @@ class StepSource(Protocol):
     def step(self, index: int) -> list[TrajectorySpec]: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class Driver:
     """Submission of turns, completion bookkeeping, training phases and policy versions."""
 
@@ -59,7 +61,6 @@ class Driver:
         self.finished_s: float | None = None  # when the last batch finished training
         self.expected = 0  # trajectories submitted (restarts not counted twice)
         self._next_rid = 0
-        self.on_weights_update: list[Callable[[float], None]] = []
         self._max_model_len = sim.config.max_model_len
         self._metrics = sim.metrics
 
@@ -206,8 +207,7 @@ class Driver:
         self.trainer_busy = False
         self.trained += 1
         self.version += 1
-        for hook in self.on_weights_update:
-            hook(now)
+        self.sim.weights_updated(now)
         if self.steps is not None and self.trained >= self.steps:
             self.finished_s = now
             return

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mypy_extensions import mypyc_attr
+
 from prorsa.workload.types import TrajectorySpec
 from services.engine_agent.engine_core import CoreSeq
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from prorsa.sim.engine import SimEngine
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 @dataclass(slots=True, eq=False)
 class Traj:
     """One attempt at rolling out a trajectory spec (an aborted trajectory restarts as a new attempt)."""
@@ -36,6 +39,7 @@ class Traj:
     last_engine: SimEngine | None = None  # engine that last prefilled it (prefix affinity)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class Request(CoreSeq):
     """One turn's work inside the engines (an engine core's sequence, with the trajectory it belongs to).
 

@@ -45,6 +45,8 @@ from collections.abc import Sized
 from heapq import heapify, heappop, heappush
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from services.engine_agent.prefix_cache import PrefixCache
 from services.runtime.perf_model import ModelProfile
 from services.runtime.step_cost import step_cost
@@ -78,15 +80,18 @@ class StepTally(Protocol):
     wasted_decoded_tokens: int  # produced for cancelled sequences
 
 
+# The live simulated backend's `LiveSeq` subclasses it in interpreted code (`prorsa.native` compiles this module).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class CoreSeq:
     """One request's work inside an engine: a prefill of `context_tokens`, then `output_tokens` of decode.
 
     The drivers subclass it with what they carry besides (the simulator's trajectory, the live stream)."""
 
-    __slots__ = ("rid", "key", "group_key", "group_tokens", "cacheable_tokens", "context_tokens")
-    __slots__ += ("output_tokens", "migrated", "cancelled", "hit_tokens", "to_compute_tokens")
-    __slots__ += ("computed_tokens",)
-    __slots__ += ("est_tokens", "engine", "kv_tokens", "start_step", "target_step", "remote", "started_s")
+    __slots__ = tuple(
+        "rid key group_key group_tokens cacheable_tokens context_tokens output_tokens migrated"  # noqa: SIM905
+        " cancelled hit_tokens to_compute_tokens computed_tokens est_tokens engine kv_tokens"
+        " start_step target_step remote started_s".split()
+    )
 
     def __init__(
         self,
@@ -126,19 +131,21 @@ class CoreSeq:
         self.target_step = 0  # step counter value at which its last token is out
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class EngineCore:
     """State and stepping of one engine. Every method takes the current modelled time `now`, never earlier than
     the previous call's. The driver wakes the core at `wake_s` (set by the default `_wake_at`) with `on_wake`."""
 
     # Slots: an engine has ~40 attributes, more than CPython 3.11 keeps in a shared-key instance dict, so without
-    # them every attribute access on the hot path is a dict lookup.
-    __slots__ = ("p", "role", "state", "cache", "busy_s", "wake_s", "waiting_handoffs", "tally", "observed")
-    __slots__ += ("waiting_prompts", "own_prompts", "prompt_fetch_waiting", "handoff_fetch_waiting")
-    __slots__ += ("_cost", "_jump")
-    __slots__ += ("queue", "queued_tokens", "active", "_active_left", "_chunks")
-    __slots__ += ("seqs", "_finish_heap", "steps_done", "_ctx_base", "_target_sum", "kv_reserved", "arrivals")
-    __slots__ += ("incoming", "activity", "_token", "_t_start", "_jump_steps", "_jump_a", "_jump_b")
-    __slots__ += ("_drop_pending", "prefill_tokens_done", "decode_tokens_done")
+    # them every attribute access on the hot path is a dict lookup. One expression, not a tuple grown by `+=`,
+    # which mypy cannot type (`prorsa.native_build` compiles this module).
+    __slots__ = tuple(
+        "p role state cache busy_s wake_s waiting_handoffs tally observed waiting_prompts"  # noqa: SIM905
+        " own_prompts prompt_fetch_waiting handoff_fetch_waiting _cost _jump queue queued_tokens"
+        " active _active_left _chunks seqs _finish_heap steps_done _ctx_base _target_sum"
+        " kv_reserved arrivals incoming activity _token _t_start _jump_steps _jump_a _jump_b"
+        " _drop_pending prefill_tokens_done decode_tokens_done".split()
+    )
 
     def __init__(self, profile: ModelProfile, role: str) -> None:
         self.p = profile

@@ -20,7 +20,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
 
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 @dataclass(slots=True)
 class _Entry:
     tokens: int  # cached prefix length of this trajectory (includes the group prefix if any)
@@ -29,6 +32,7 @@ class _Entry:
     last_used_s: float
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 @dataclass(slots=True)
 class _Group:
     tokens: int
@@ -36,6 +40,7 @@ class _Group:
     last_used_s: float
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class PrefixCache:
     """Cached prefix lengths per trajectory (and shared group prefixes), bounded by a token capacity."""
 

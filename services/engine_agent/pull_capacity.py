@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from mypy_extensions import mypyc_attr
 
 WorkKind = Literal["prefill", "decode"]  # the queue family: GenerateRequests or DecodeHandoffs
 
@@ -35,6 +37,10 @@ class PullConfig:
     prefill_budget_tokens: int = 32_768
     max_ack_pending: int = 100_000
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PullConfig:
+        # Immutable: a fork of the simulator shares it (compiled, a frozen copy could not be filled in).
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
@@ -42,6 +48,9 @@ class EngineLimits:
     kv_capacity_tokens: int
     prefill_budget_tokens: int  # prompt tokens held for prefill at most
     max_fetch: int = 16  # messages per fetch at most
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineLimits:
+        return self  # immutable: shared by a fork (as `PullConfig`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +61,7 @@ class HeldWork:
     kv_reserved_tokens: int = 0  # KV those decodes will hold at most
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 @dataclass(slots=True)
 class Ewma:
     """Exponentially weighted mean of observed sizes, starting from a prior."""

@@ -218,8 +218,10 @@ BUILTIN_PROFILES: dict[str, ModelProfile] = {
     p.name: p for p in (_qwen3_235b(), _deepseek_v32(), _mimo_v25_pro(), _cpu_tiny())
 }
 
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float}
+# A field's type is its annotation's text, or the type itself where `perf_model` runs compiled (`prorsa.native`).
 _FIELD_TYPES: dict[str, type] = {
-    f.name: {"str": str, "int": int, "float": float}[str(f.type)] for f in fields(ModelProfile)
+    f.name: f.type if isinstance(f.type, type) else _TYPES[str(f.type)] for f in fields(ModelProfile)
 }
 
 

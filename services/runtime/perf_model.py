@@ -94,7 +94,7 @@ class ModelProfile:
             value = getattr(self, f.name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"profile {self.name}: {f.name} must be >= 0, got {value}")
-        positive = ("dp_ranks", "max_batch", "kv_capacity_tokens", "prefill_tokens_per_s")
+        positive: tuple[str, ...] = ("dp_ranks", "max_batch", "kv_capacity_tokens", "prefill_tokens_per_s")
         positive += ("prefill_batch_tokens", "mixed_chunk_tokens", "experts_total", "experts_per_token")
         positive += ("kv_transfer_bytes_per_s",)
         for name in positive:

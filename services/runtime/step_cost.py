@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 
+from mypy_extensions import mypyc_attr
+
 from services.runtime import perf_model as pm
 from services.runtime.perf_model import ModelProfile
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # deep-copied by `Simulation.fork` (see `prorsa.native`)
 class StepCost:
     """Decode step, decode jump, prefill chunk, mixed step and KV transfer times of one profile (see above)."""
 
