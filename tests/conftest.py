@@ -7,7 +7,12 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from services.runtime.logging import configure_logging
+# The tests run the source, never the compiled simulator (`prorsa.native`): they patch classes, which compiled ones
+# refuse. `tests/test_native_build.py` checks the compiled build gives the source's results. Set before anything
+# imports `prorsa`; subprocesses the tests start inherit it.
+os.environ["PRORSA_NATIVE"] = "0"
+
+from services.runtime.logging import configure_logging  # noqa: E402
 from services.runtime.nats_server import EmbeddedNatsServer
 
 configure_logging(level=os.environ.get("PRORSA_TEST_LOG_LEVEL", "WARNING"))

@@ -7,6 +7,8 @@ the sim_speed bench at 1/16 scale) is simulated; its `--json` result (sorted key
 runs a second time with an observer attached (the engines take other paths then), and that run's result and a hash
 of every lifecycle event it sees (kind, trajectory, virtual time, fields) must match too. Event counts are printed
 beside, not compared: a speed change may remove events. `--only SUBSTRING` runs a part. About 4 CPU minutes in all.
+It also checks the compiled simulator against the source: `save` with `PRORSA_NATIVE=0`, `compare` with a
+current build (`prorsa.native`; the first line printed says which ran).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prorsa import native
 from prorsa.sim import SimConfig, run_simulation
 
 WORKLOADS = ("swe", "profile:coding", "profile:math", "profile:general")
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run the configurations whose name contains this")
     args = parser.parse_args(argv)
     args.folder.mkdir(parents=True, exist_ok=True)
+    import prorsa.sim.core  # noqa: F401  (loaded now, to say which simulator runs)
+
+    print(f"simulator: {'compiled (prorsa.native)' if native.active() else 'source'}", flush=True)
     differing = missing = 0
     events_old = events_new = 0
     for name, (fields, observe) in configurations().items():

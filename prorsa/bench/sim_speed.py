@@ -17,6 +17,7 @@ import resource
 import statistics
 import time
 
+from prorsa import native
 from prorsa.sim import SimConfig, run_simulation
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     projected = r["loop_s"] / (args.scale * args.scale) if not full else r["loop_s"]
     print(
         f"workload {args.workload}, {engines} engines ({policy}), {trajectories} trajectories per step, "
-        f"{duration_s:.0f} s virtual"
+        f"{duration_s:.0f} s virtual; simulator {'compiled' if native.active() else 'source'} (prorsa.native)"
     )
     if args.repeat > 1:
         print(
