@@ -47,7 +47,7 @@ trainers: $(TRAINERS_STAMP)
 # The simulator's hot path compiled with mypyc into .build/native (prorsa/native.py): about a minute when a module
 # of it changed, nothing otherwise. Without it everything runs, from the source, 1.7-2.7x slower.
 native: $(STAMP)
-	@$(BIN)/python -m prorsa.native_build --if-stale || echo "no compiled simulator (the build failed, above): it runs from the source"
+	@PRORSA_NATIVE=0 $(BIN)/python -m prorsa.native_build --if-stale || echo "no compiled simulator (the build failed, above): it runs from the source"
 
 demo: native
 	$(BIN)/prorsa demo

@@ -44,9 +44,8 @@ def build(out: Path, jobs: int = os.cpu_count() or 1) -> dict:
 
     started = time.perf_counter()
     paths = [str(source_path(m).relative_to(ROOT)) for m in MODULES]
-    hashes = {
-        m: source_sha256(m) for m in MODULES
-    }  # before compiling: an edit during the build makes it stale
+    # Hashed before compiling: a module edited during the build leaves it stale.
+    hashes = {m: source_sha256(m) for m in MODULES}
     with tempfile.TemporaryDirectory(prefix="prorsa-native-") as tmp:
         staging = Path(tmp) / "lib"
         cwd = os.getcwd()
@@ -101,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         if manifest is not None and not stale_modules(manifest):
             print(f"the compiled simulator in {args.out} is current", flush=True)
             return 0
-    print(f"compiling {len(MODULES)} modules with mypyc into {args.out} (about a minute)", flush=True)
+    print(
+        f"compiling the simulator's {len(MODULES)} hot-path modules with mypyc into {args.out} (about a minute)",
+        flush=True,
+    )
     manifest = build(args.out)
     print(f"built in {manifest['built_s']} s", flush=True)
     return 0
