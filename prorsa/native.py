@@ -53,6 +53,7 @@ MODULES: tuple[str, ...] = (
     "prorsa.sim.router",
     "prorsa.sim.sim_driver",
     "prorsa.sim.core",
+    "prorsa.sim.metrics",  # counters every step and turn updates: typed fields, not a dict (-7 % per turn)
 )
 GROUP_NAME = "prorsa_native"  # mypyc's shared library: `prorsa_native__mypyc`
 ROOT = Path(__file__).resolve().parent.parent  # the source tree (an editable install's checkout)
