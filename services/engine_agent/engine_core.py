@@ -266,9 +266,9 @@ class EngineCore:
             return True
         return held < self.p.max_batch and self.kv_reserved + kv_tokens <= self.p.kv_capacity_tokens
 
-    def tokens_in_flight(self) -> int:
-        decode_left = self._target_sum - len(self.seqs) * self.steps_done
-        return decode_left + self.queued_tokens + self._active_left
+    def decode_tokens_left(self) -> int:
+        """Output tokens the batch has still to generate (Σ over its sequences of target_step − steps_done)."""
+        return self._target_sum - len(self.seqs) * self.steps_done
 
     def steps_at(self, now: float) -> int:
         """The step counter as of `now`: `steps_done` plus the steps of the decode jump in progress that end at or
