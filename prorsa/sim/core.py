@@ -137,13 +137,15 @@ class Simulation:
                     t = limit
                     break
                 continue
+            # The kind says what `a` is: the casts let the compiled loop call the engine natively (`prorsa.native`).
             if kind == wake:
-                if b == a._token:  # else superseded by a replan
-                    a.on_wake(t)
+                engine = cast(SimEngine, a)
+                if cast(int, b) == engine._token:  # else superseded by a replan
+                    engine.on_wake(t)
             elif kind == arrival:
-                driver.on_arrival(a, t)
+                driver.on_arrival(cast(Traj, a), t)
             elif kind == handoff:
-                a.on_handoff_arrive(b, t)
+                cast(SimEngine, a).on_handoff_arrive(cast(Request, b), t)
             elif kind == ev.END:
                 t = limit
                 break
@@ -161,8 +163,9 @@ class Simulation:
         which puts the events after it back; returns (how many ran, whether END stopped it)."""
         for n, (kind, a, b) in enumerate(batch, 1):
             if kind == ev.ENGINE_WAKE:
-                if b == a._token:
-                    a.on_wake(t)
+                engine = cast(SimEngine, a)
+                if cast(int, b) == engine._token:
+                    engine.on_wake(t)
             elif kind == ev.END:
                 for event in batch[n:]:
                     self.queue.push(t, *event)
