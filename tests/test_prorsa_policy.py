@@ -75,6 +75,27 @@ def test_a_queue_past_the_affinity_threshold_puts_the_model_on_the_congested_bra
         assert congested.prefill_s > 3 * empty.prefill_s and congested.turn_s > 1.3 * empty.turn_s
 
 
+def test_a_turn_sent_away_misses_only_where_another_engine_can_take_it() -> None:
+    """Placement pulls: a turn its engine cannot take waits in the shared queue for whichever engine pulls next.
+    With one prefill engine that is its own engine, prefix and all: the queue makes it wait, never recompute. With
+    more, about 1 in P of the turns sent away land back on their engine (turn_model._elsewhere)."""
+    cap = make_capacity("deepseek-v3.2")
+    queued_tokens = 80 * 0.8 * PREFILL_HEAVY.context_tokens  # past the threshold on one engine as on two
+    one = turn_time(Split(1, 3), PREFILL_HEAVY, 128, cap)
+    one_queued = turn_time(
+        Split(1, 3), PREFILL_HEAVY, 128, cap, queued_prefills=80, queued_tokens=queued_tokens
+    )
+    # The same queue of whole contexts as a start: one engine recomputes nothing, so its solution is the one an
+    # empty cluster reaches (the queue only sets where the fixed point starts).
+    assert one_queued.turn_s == pytest.approx(one.turn_s, rel=1e-3)
+    two = turn_time(Split(2, 2), PREFILL_HEAVY, 128, cap)
+    two_queued = turn_time(
+        Split(2, 2), PREFILL_HEAVY, 128, cap, queued_prefills=80, queued_tokens=queued_tokens
+    )
+    # Two engines: half the turns sent away miss, enough to hold the loop on its congested branch.
+    assert two_queued.prefill_s > 3 * two.prefill_s and two_queued.turn_s > 1.3 * two.turn_s
+
+
 def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:
     return EngineView(
         engine_id=f"e{i}",

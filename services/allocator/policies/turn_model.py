@@ -141,11 +141,22 @@ def _congested_miss_share(
 ) -> float | None:
     """The congested branch's start: when the prefill queue the cluster holds now is, on its own, past the affinity
     threshold on each of `engines`, the share of whole-context recomputes in it — its mean job placed between a
-    hit's `hit_tokens` and a whole context's `whole_tokens`. None while the queue is under the threshold."""
-    if queued_prefills <= 0 or queued_tokens / engines <= threshold_tokens:
+    hit's `hit_tokens` and a whole context's `whole_tokens` — for the engines there are to miss on
+    (`_elsewhere`). None while the queue is under the threshold or there is no other engine."""
+    if queued_prefills <= 0 or queued_tokens / engines <= threshold_tokens or engines < 2:
         return None
     mean_job = queued_tokens / queued_prefills
-    return min(1.0, max(0.0, (mean_job - hit_tokens) / max(whole_tokens - hit_tokens, 1.0)))
+    return _elsewhere(engines) * min(
+        1.0, max(0.0, (mean_job - hit_tokens) / max(whole_tokens - hit_tokens, 1.0))
+    )
+
+
+def _elsewhere(engines: int) -> float:
+    """The share of turns sent away from their engine that land on another one. Placement pulls (prorsa.sim.router,
+    the client's directory): a turn its engine cannot take now goes to the shared queue, and whichever of the
+    `engines` prefill-capable engines pulls it next takes it — its own engine among them, about 1 in `engines`,
+    and then its prefix is still there. With one engine a turn cannot miss at all: it can only wait."""
+    return (engines - 1) / engines
 
 
 def _disaggregated(
@@ -173,8 +184,10 @@ def _disaggregated(
     miss = 0.0
     r = r_p = r_d = 0.0
     # Placement's rule (prorsa.sim.router): a turn leaves its engine when more than `affinity_s` of prefill is
-    # queued there, priced in tokens at the profile's nominal rate; it then recomputes its whole context elsewhere.
+    # queued there, priced in tokens at the profile's nominal rate; it then recomputes its whole context if another
+    # engine takes it (`_elsewhere`).
     threshold_tokens = affinity_s * p.prefill_tokens_per_s
+    elsewhere = _elsewhere(n_prefill)
     # Misses enter only once the queues have settled without them: the first iterations overshoot the turn
     # rate (no queue yet), and a miss rate taken from that overshoot would lock the solution on the congested
     # branch even where the uncongested one exists — the one a cluster that starts empty is on.
@@ -205,7 +218,8 @@ def _disaggregated(
         x = n / r
         rho = min(x / n_prefill * s_prefill, 0.999)
         # M/M/1 in tokens: P(queued work > a) = rho · exp(-(1 - rho) · a / mean job)
-        miss_new = rho * math.exp(-(1.0 - rho) * threshold_tokens / job_tokens) if affinity_s > 0 else 0.0
+        away = rho * math.exp(-(1.0 - rho) * threshold_tokens / job_tokens) if affinity_s > 0 else 0.0
+        miss_new = elsewhere * away  # sent away, and taken by an engine without its prefix
         miss += _DAMPING * (miss_new - miss)
         q_p += _DAMPING * (x / n_prefill * r_p - q_p)
         q_d += _DAMPING * (x / n_decode * r_d - q_d)
