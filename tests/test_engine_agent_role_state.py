@@ -102,18 +102,20 @@ def test_completing_without_a_switch_is_our_bug() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "new_role", "fate"),
+    ("kind", "new_role", "prefilled", "fate"),
     [
-        ("prefill", "decode", "finish"),
-        ("prefill", "mixed", "finish"),
-        ("decode", "prefill", "drain"),
-        ("decode", "mixed", "continue"),
-        ("generate", "decode", "continue"),
-        ("generate", "prefill", "drain"),
+        ("prefill", "decode", False, "finish"),
+        ("prefill", "mixed", False, "finish"),
+        ("decode", "prefill", True, "drain"),
+        ("decode", "mixed", True, "continue"),
+        ("generate", "decode", True, "continue"),
+        ("generate", "decode", False, "prefill_first"),  # a decode engine never prefills it
+        ("generate", "prefill", True, "drain"),
+        ("generate", "prefill", False, "drain"),
     ],
 )
-def test_job_fate(kind: str, new_role: str, fate: str) -> None:
-    assert job_fate(kind, new_role) == fate  # type: ignore[arg-type]
+def test_job_fate(kind: str, new_role: str, prefilled: bool, fate: str) -> None:
+    assert job_fate(kind, new_role, prefilled) == fate  # type: ignore[arg-type]
 
 
 events = st.lists(

@@ -168,3 +168,52 @@ async def test_graceful_stop_hands_in_flight_decodes_to_another_engine(nats_serv
             assert chunks[0].engine_id == "gs-0" and chunks[-1].engine_id == "gs-1"
     finally:
         await second.stop()
+
+
+async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_before_it_decodes_only(
+    nats_server, nc
+) -> None:
+    """A decode engine never plans a prefill step: a prompt still queued on a mixed engine switching to decode
+    must be prefilled before the switch, or handed on when the drain timeout ends first — never left waiting."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    # Room for the four prompts at once: ~22 modelled s of prefill (1.1 s wall at 20×) the switch lands inside.
+    switcher = make_agent(nats_server.url, "pf-x", "mixed", prefill_budget_tokens=500_000)
+    await switcher.start()
+    other = make_agent(nats_server.url, "pf-p", "prefill")
+    try:
+        rids = [f"pf{i}" for i in range(4)]
+        for rid in rids:
+            await publish_work(
+                nc, S.prefill_work_for("pf-x"), request(rid, max_tokens=30, prompt_len=100_000)
+            )
+        await wait_until(lambda: len(switcher.runner.jobs) == 4)
+        assert not any(j.prefilled for j in switcher.runner.jobs.values())
+        # Generous drain timeout: every prompt finishes its prefill here, then decodes here in the decode role.
+        ack = await send(nc, "pf-x", command("pf-x", "decode", 1, drain_timeout_s=60.0), timeout_s=20.0)
+        assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.migrated_requests == 0
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 30)
+            assert {c.engine_id for c in chunks} == {"pf-x"}
+
+        # Back to mixed, then the same with no time to drain: what is not prefilled goes back to the prefill
+        # queue untouched, a prefill engine takes it and the (now decode) engine decodes the handoff.
+        ack = await send(nc, "pf-x", command("pf-x", "mixed", 2))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        await other.start()
+        late = [f"pl{i}" for i in range(4)]
+        for rid in late:
+            await publish_work(
+                nc, S.prefill_work_for("pf-x"), request(rid, max_tokens=30, prompt_len=100_000)
+            )
+        await wait_until(lambda: len(switcher.runner.jobs) == 4)
+        ack = await send(nc, "pf-x", command("pf-x", "decode", 3, drain_timeout_s=0.01), timeout_s=20.0)
+        assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.migrated_requests >= 3
+        await watcher.wait_finished(late)
+        for rid in late:
+            watcher.assert_exact_stream(rid, 30)
+        assert {c.prefill_engine for r in late for c in watcher.chunks[r] if c.finished} == {"pf-p"}
+    finally:
+        for a in (switcher, other):
+            await a.stop()

@@ -53,6 +53,11 @@ class Job:
     stream_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
+    def prefilled(self) -> bool:
+        """Its prompt is prefilled (a handoff's was, elsewhere), so its engine only decodes it from here on."""
+        return self.kind == "decode" or self.phase in ("decode", "done")
+
+    @property
     def request_id(self) -> str:
         return self.request.request_id
 

@@ -37,7 +37,7 @@ from proto import ROLES, RoleSwitchAck, RoleSwitchCommand
 Phase = Literal["serving", "draining"]
 DecisionKind = Literal["start", "queued", "wait", "replay", "stale", "rejected"]
 JobKind = Literal["prefill", "decode", "generate"]
-JobFate = Literal["continue", "finish", "drain"]
+JobFate = Literal["continue", "finish", "prefill_first", "drain"]
 # The allocator numbers commands cluster-wide, so a fresh engine's first epoch may be large; 2^32 commands is more
 # than any deployment issues, and far below proto.MAX_COUNTER (2^53 - 1).
 DEFAULT_MAX_EPOCH_JUMP = 2**32
@@ -193,16 +193,20 @@ def on_switch_failed(
     return new, ack, nxt
 
 
-def job_fate(kind: JobKind, new_role: str) -> JobFate:
+def job_fate(kind: JobKind, new_role: str, prefilled: bool = True) -> JobFate:
     """What a held request does when its engine switches to `new_role`.
 
     A prefill is short: it always finishes ("finish the batch"). A sequence decoding here (a decode handoff, or a
     mixed-role request) keeps running when the new role decodes too; otherwise it drains: it finishes if it is
-    expected to end within the drain timeout, else it migrates (re-prefill elsewhere).
+    expected to end within the drain timeout, else it migrates (re-prefill elsewhere). A mixed-role request whose
+    prompt is not `prefilled` yet cannot just keep running on a decode engine, which never plans a prefill step
+    (it would wait there for ever): it finishes its prefill first ("prefill_first"), then keeps decoding.
     """
     if kind == "prefill":
         return "finish"
-    return "continue" if new_role in ("decode", "mixed") else "drain"
+    if new_role in ("decode", "mixed"):
+        return "prefill_first" if new_role == "decode" and not prefilled else "continue"
+    return "drain"
 
 
 def _stale_ack(state: RoleState, cmd: RoleSwitchCommand, now: float) -> RoleSwitchAck:
