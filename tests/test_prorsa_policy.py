@@ -184,6 +184,19 @@ def test_prorsa_leaves_colocation_for_a_split_under_dp_attention_and_then_holds(
     assert "s per turn" in plans[0].reason
 
 
+def test_a_window_with_no_answer_moves_neither_the_turn_estimate_nor_the_measured_error() -> None:
+    """A step's first window submits every first prompt before any answer ends: its output length is the
+    default, not a measurement, and its turns-per-second is arrivals, not Little's law. Neither may count."""
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    burst = view(["mixed"] * 8, 5.0, recent_requests=128, recent_mean_osl_tokens=0.0, decode_tokens_per_s=0.0)
+    policy.decide(burst)
+    assert policy._error == policy.prior_model_error  # nothing measured yet
+    policy.decide(view(["mixed"] * 8, 10.0))
+    assert policy.last_shape is not None
+    assert policy.last_shape.output_tokens == pytest.approx(PREFILL_HEAVY.output_tokens)
+    assert policy._error < policy.prior_model_error  # the loop as the model says: a small error
+
+
 def test_prorsa_keeps_colocation_for_decode_heavy_work() -> None:
     policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
     for k in range(1, 8):

@@ -108,7 +108,8 @@ class ProrsaPolicy(AllocatorPolicy):
     # heavy-tailed sizes, whose mean moves by tens of percent from window to window; a phase of the workload
     # lasts minutes. Half of the estimate's weight is older than `shape_half_life_s`.
     shape_half_life_s: float = 30.0
-    _shape_sums: tuple[float, float, float, float, float] = field(default=(0.0,) * 5, repr=False)
+    # Per field of the turn (new, output, context, tool): (weight, weighted sum), folded by `_smooth`.
+    _shape_sums: tuple[tuple[float, float], ...] = field(default=((0.0, 0.0),) * 4, repr=False)
     _finished: tuple[float, int] | None = field(default=None, repr=False)  # (ts, finished_total) last seen
     _finish_rate: float = field(default=0.0, repr=False)
     _turns_finished: float = field(default=0.0, repr=False)  # turns whose answer the estimate has seen
@@ -173,7 +174,7 @@ class ProrsaPolicy(AllocatorPolicy):
                 view.decode_tokens_per_s * view.recent_window_s / view.recent_mean_osl_tokens
             )
         window_shape = self.shape(view, current, snapshot)
-        shape = self._smooth(window_shape, view)
+        shape = self._smooth(window_shape, view, self.measured(view, snapshot))
         self.last_shape = shape
         n_live = self.live_trajectories(view, snapshot, shape)
         if self.step_start and snapshot is not None:
@@ -385,7 +386,10 @@ class ProrsaPolicy(AllocatorPolicy):
         if self._error < 0:
             self._error = self.prior_model_error
         rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
-        projected = self._turn(current, shape, n_live).turn_s if n_live > 0 else math.inf
+        # A window in which no turn ended (a step's first prompts, all submitted at once) is no sample of the
+        # loop: Little's law needs turns leaving as well as arriving.
+        answered = view.recent_mean_osl_tokens > 0
+        projected = self._turn(current, shape, n_live).turn_s if n_live > 0 and answered else math.inf
         if rate > 0 and n_live > 0 and math.isfinite(projected) and projected > 0:
             miss = abs(math.log((n_live / rate) / projected))
             self._error += self.error_weight * (min(miss, 2.0) - self._error)
@@ -424,19 +428,35 @@ class ProrsaPolicy(AllocatorPolicy):
             tool = snapshot.counts.get("tool_call", 0) / rate  # Little: in a tool = rate × tool time
         return TurnShape(new, osl, max(context, new), tool)
 
-    def _smooth(self, now_shape: TurnShape, view: ClusterView) -> TurnShape:
-        """The window's shape folded into the running estimate, weighted by the turns it saw (class doc)."""
+    @staticmethod
+    def measured(view: ClusterView, snapshot: LifecycleSnapshot | None) -> tuple[bool, bool, bool, bool]:
+        """Which fields of `shape` the window measured (new, output, context, tool); the others are defaults."""
+        prompts = view.recent_mean_isl_tokens > 0
+        rate = view.recent_requests > 0 and view.recent_window_s > 0
+        live_contexts = snapshot is not None and any(t.state in LIVE_STATES for t in snapshot.trajectories)
+        return (
+            prompts or view.recent_mean_new_tokens > 0,
+            view.recent_mean_osl_tokens > 0,
+            prompts or live_contexts,
+            snapshot is not None and rate,
+        )
+
+    def _smooth(
+        self, now_shape: TurnShape, view: ClusterView, measured: tuple[bool, bool, bool, bool]
+    ) -> TurnShape:
+        """The window's shape folded into the running estimate, weighted by the turns it saw (class doc). A field
+        the window did not measure adds nothing: a step's first window submits its prompts before any answer
+        ends, and folding the default answer length in with the weight of every prompt made the first live
+        decisions price turns of 400 output tokens on a workload of 80-170."""
         decay = 0.5 ** (max(view.recent_window_s, 0.0) / self.shape_half_life_s)
         w = float(view.recent_requests)
-        acc = [a * decay for a in self._shape_sums]
         values = (now_shape.new_tokens, now_shape.output_tokens, now_shape.context_tokens, now_shape.tool_s)
-        acc[0] += w
-        for i, v in enumerate(values, 1):
-            acc[i] += w * v
-        self._shape_sums = (acc[0], acc[1], acc[2], acc[3], acc[4])
-        if acc[0] <= 0:
-            return now_shape
-        new, out, ctx, tool = (a / acc[0] for a in acc[1:])
+        sums = tuple(
+            (a * decay + (w if m else 0.0), b * decay + (w * v if m else 0.0))
+            for (a, b), v, m in zip(self._shape_sums, values, measured, strict=True)
+        )
+        self._shape_sums = sums
+        new, out, ctx, tool = (b / a if a > 0 else v for (a, b), v in zip(sums, values, strict=True))
         return TurnShape(new, out, max(ctx, new), tool)
 
     def live_trajectories(
