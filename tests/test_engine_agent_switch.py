@@ -217,3 +217,26 @@ async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_bef
     finally:
         for a in (switcher, other):
             await a.stop()
+
+
+async def test_a_prompt_addressed_to_a_decode_engine_moves_to_the_shared_queue(nats_server, nc) -> None:
+    """A client that read an engine's stats just before it became a decode engine addresses a prompt to it after
+    its switch forwarded its queue: the decode engine forwards it too, and a prefill engine serves it at once."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    decode = make_agent(nats_server.url, "ad-d", "decode")
+    prefill = make_agent(nats_server.url, "ad-p", "prefill")
+    await decode.start()
+    await prefill.start()
+    try:
+        rids = [f"ad{i}" for i in range(3)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_for("ad-d"), request(rid, max_tokens=20))
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 20)
+            assert {c.prefill_engine for c in chunks if c.finished} == {"ad-p"}
+            assert {c.engine_id for c in chunks} == {"ad-d"}  # decoded by the only decode engine
+    finally:
+        for a in (decode, prefill):
+            await a.stop()

@@ -18,6 +18,10 @@ room sleeps until the runner frees some (`JobRunner.freed`).
 Preference. A mixed engine also takes decode handoffs, but only while it holds no prompt to prefill, with a short
 poll, and after a poll that found none, not again for `decode_check_s`.
 
+Addressed work on a decode engine. A decode engine does not prefill: its switch moves the prompts addressed to it
+to the shared queue (`forward_addressed`), and its own-queue loop keeps forwarding any that land there later (a
+client that read its stats before the switch), so none waits for the client's retry.
+
 Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
 message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
 cancelled), so no pull request lingers on the server to deliver a message nobody reads.
@@ -131,13 +135,16 @@ class WorkPuller:
                 await self._resumed.wait()
                 continue
             poll_s = self._poll_s(kind)
-            if poll_s is None or self._capacity(kind) <= 0:
+            # A decode engine never prefills, but a client that read its stats before a switch may still address
+            # a prompt to it: forward whatever lands there to the shared queue at once (not at the client's retry).
+            forward = own and self.agent.role == "decode"
+            if poll_s is None or (not forward and self._capacity(kind) <= 0):
                 await self._wait_for_room()
                 continue
             self._fetching += 1
             self._idle.clear()
             try:
-                took = await self._fetch(kind, own, 1, poll_s)
+                took = await (self._forward(poll_s) if forward else self._fetch(kind, own, 1, poll_s))
                 if took and kind == "decode" and self.agent.role == "mixed":
                     self._last_decode_check = -math.inf  # handoffs are waiting: take the next one now
             except Exception as exc:
@@ -216,20 +223,37 @@ class WorkPuller:
     async def forward_addressed(self) -> int:
         """Move prompts addressed to this engine to the shared prefill queue (it is becoming a decode engine, which
         does not prefill). Only prefill work is ever addressed, so there is nothing else to move."""
+        moved = 0
+        while took := await self._forward(0.05):
+            moved += took
+        return moved
+
+    async def _forward(self, timeout_s: float) -> int:
+        """One fetch of this engine's addressed queue, every message moved to the shared prefill queue (stored
+        there first, then acked; the message id de-duplicates a repeat after a crash). Returns how many moved."""
         psub = self.subs[("prefill", True)]
         target = self.subject("prefill", False)
+        try:
+            msgs = await psub.fetch(self.config.max_fetch, timeout=timeout_s)
+        except (TimeoutError, NatsTimeoutError):
+            return 0
+        except BUS_ERRORS as exc:
+            self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc))
+            await asyncio.sleep(0.25)
+            return 0
         moved = 0
-        while True:
+        for m in msgs:
+            seq = m.metadata.sequence.stream
             try:
-                msgs = await psub.fetch(self.config.max_fetch, timeout=0.05)
-            except (TimeoutError, NatsTimeoutError):
-                return moved
-            except BUS_ERRORS as exc:
-                self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc))
-                return moved
-            for m in msgs:
-                seq = m.metadata.sequence.stream
                 await self.agent.js.publish(target, m.data, headers={"Nats-Msg-Id": f"fwd:{m.subject}:{seq}"})
+            except BUS_ERRORS as exc:  # not stored: leave it here for the next forward
+                self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc))
                 with contextlib.suppress(*BUS_ERRORS):
-                    await m.ack()
-                moved += 1
+                    await m.nak()
+                continue
+            with contextlib.suppress(*BUS_ERRORS):
+                await m.ack()
+            moved += 1
+        if moved:
+            self.agent.log.info("addressed_work_forwarded", requests=moved)
+        return moved
