@@ -4,10 +4,11 @@ and its use in the prorsa policy)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from proto import LifecycleSnapshot, TrajectoryFeatures
+from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles, TrajectoryFeatures
 from services.allocator.policies.common import Split, make_capacity
 from services.allocator.policies.step_memory import Segment, StepMemory, compress, model_error
 from services.allocator.policies.turn_model import TurnShape, turn_time
@@ -320,6 +321,27 @@ def idle_view(roles: list[str], now: float) -> ClusterView:
     )
 
 
+def arrivals(now: float, shape: TurnShape, turns_per_s: float = 20.0) -> DemandForecast:
+    """A forecast of `turns_per_s` turns of `shape` arriving over the next 30 s (a step about to start)."""
+
+    def q(v: float) -> Quantiles:
+        return Quantiles(q10=0.8 * v, q50=v, q90=1.2 * v)
+
+    return DemandForecast(
+        ts_s=now,
+        predictor="test",
+        horizons=[
+            HorizonForecast(
+                horizon_s=30.0,
+                prefill_tokens=q(30.0 * turns_per_s * shape.new_tokens),
+                decode_tokens=q(30.0 * turns_per_s * shape.output_tokens),
+                decode_concurrency=q(64.0),
+                kv_tokens=q(64.0 * shape.context_tokens),
+            )
+        ],
+    )
+
+
 def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster_idles() -> None:
     policy = replay_only_policy()
     roles = ["mixed"] * 8
@@ -330,6 +352,13 @@ def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster
     assert "mixed" not in roles
     # once per idle spell, and the step that then starts (the same mix) finds its split set
     assert policy.decide(idle_view(roles, 75.0)) is None
+    # The replay's verdict stands until the step starts, even against a forecast of a heavy arrival priced at the
+    # last window's shape by a model trusted without error (it would move 2:6 -> 5:3 at N = 0).
+    policy._model_error = lambda *_: 0.0  # type: ignore[method-assign]
+    assert (
+        policy.decide(replace(idle_view(roles, 80.0), forecast=arrivals(80.0, PREFILL_HEAVY, 50.0))) is None
+    )
+    policy._model_error = lambda *_: 10.0  # type: ignore[method-assign]
     assert run_step(policy, roles, 1, 100.0, PREFILL_HEAVY) == []
 
 

@@ -131,6 +131,9 @@ class ProrsaPolicy(AllocatorPolicy):
     _step_held: bool = field(default=False, repr=False)  # this step's split was chosen from a replay: hold it
     # The split for the step after this idle spell is set.
     _idle_planned: bool = field(default=False, repr=False)
+    # The replay compared the splits for the coming step during this idle spell: its verdict (move or stay) stands
+    # until the step starts.
+    _idle_verdict: bool = field(default=False, repr=False)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -199,11 +202,17 @@ class ProrsaPolicy(AllocatorPolicy):
                 self._idle_planned = True
                 coming = self.memory.expected_next()
                 if coming is not None:
+                    self._idle_verdict = True
                     plan, _ = self._plan_step(view, current, coming, idle=True)
                     if plan is not None:
                         return plan
             if n_live > 0:
-                self._idle_planned = False
+                self._idle_planned = self._idle_verdict = False
+            elif self._idle_verdict:
+                # The replay of the last step of the coming mix chose this idle spell's split from measured turns;
+                # the forecast's arrivals priced at the last window's shape (below) would undo it before the step
+                # has said anything (live, 0.6 s after the replay moved to 1:3, a move back to 2:2 at N = 0).
+                return floor_fix(view, self.name)
         horizon = self.horizon_s(view, snapshot, n_live)
         scenarios = self.scenarios(view, forecast_of(view), n_live, shape, current)
         if not any(n > 0 for n in scenarios):
