@@ -181,13 +181,18 @@ async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_bef
     switcher = make_agent(nats_server.url, "pf-x", "mixed", prefill_budget_tokens=500_000)
     await switcher.start()
     other = make_agent(nats_server.url, "pf-p", "prefill")
-    try:
-        rids = [f"pf{i}" for i in range(4)]
+
+    async def queue_prompts(rids: list[str]) -> None:
+        """Four long prompts addressed to the switcher, held there (none prefilled yet)."""
         for rid in rids:
             await publish_work(
                 nc, S.prefill_work_for("pf-x"), request(rid, max_tokens=30, prompt_len=100_000)
             )
         await wait_until(lambda: len(switcher.runner.jobs) == 4)
+
+    try:
+        rids = [f"pf{i}" for i in range(4)]
+        await queue_prompts(rids)
         assert not any(j.prefilled for j in switcher.runner.jobs.values())
         # Generous drain timeout: every prompt finishes its prefill here, then decodes here in the decode role.
         ack = await send(nc, "pf-x", command("pf-x", "decode", 1, drain_timeout_s=60.0), timeout_s=20.0)
@@ -203,11 +208,7 @@ async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_bef
         assert isinstance(ack, RoleSwitchAck) and ack.ok
         await other.start()
         late = [f"pl{i}" for i in range(4)]
-        for rid in late:
-            await publish_work(
-                nc, S.prefill_work_for("pf-x"), request(rid, max_tokens=30, prompt_len=100_000)
-            )
-        await wait_until(lambda: len(switcher.runner.jobs) == 4)
+        await queue_prompts(late)
         ack = await send(nc, "pf-x", command("pf-x", "decode", 3, drain_timeout_s=0.01), timeout_s=20.0)
         assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.migrated_requests >= 3
         await watcher.wait_finished(late)

@@ -152,7 +152,7 @@ class JobRunner:
         """The load of held jobs, for capacity-driven pulling."""
         prefill_jobs = prefill_tokens = decode_jobs = kv = 0
         for job in self.jobs.values():
-            if job.kind != "decode" and job.phase in ("queued", "prefill"):
+            if not job.prefilled:  # a prompt still to prefill here
                 prefill_jobs += 1
                 prefill_tokens += job.context_tokens
             if job.kind != "prefill":
@@ -164,7 +164,7 @@ class JobRunner:
         """Tokens still to compute for held work: prompts not prefilled yet plus output not generated yet."""
         total = 0
         for job in self.jobs.values():
-            if job.kind != "decode" and job.phase in ("queued", "prefill"):
+            if not job.prefilled:  # a prompt still to prefill here
                 total += job.context_tokens
             if job.kind != "prefill":
                 total += job.remaining_tokens
