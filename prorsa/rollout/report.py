@@ -9,6 +9,7 @@ from prorsa.rollout.recorder import Recorder
 
 SUMMARY_ROWS = (
     ("trajectories completed", "trajectories_completed", "{:.0f}"),
+    ("cut at the context limit", "trajectories_truncated", "{:.0f}"),
     ("avg trajectory (s)", "avg_trajectory_s", "{:.1f}"),
     ("p99 trajectory (s)", "p99_trajectory_s", "{:.1f}"),
     ("rollout per step (s)", "rollout_s_per_step", "{:.1f}"),
