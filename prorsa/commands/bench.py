@@ -21,13 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from prorsa.bench.compare import compare_policies, speedups
+    from prorsa.console import table_console
     from prorsa.sim.cli import config_from_args
 
-    console = Console()
+    console = table_console()
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     try:
         base = config_from_args(args)

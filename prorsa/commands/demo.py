@@ -78,11 +78,10 @@ def simulated(args: argparse.Namespace, policy: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from prorsa.console import table_console
     from prorsa.rollout.report import summary_table
 
-    console = Console()
+    console = table_console()
     if args.backend == "sim" and not args.profile:
         args.profile = DEMO_SIM_PROFILE  # the live engines run the profile the simulator models
     with console.status("simulator: choosing the best fixed split"):

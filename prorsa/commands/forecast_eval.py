@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from prorsa.console import table_console
     from prorsa.forecast_eval.evaluate import EvalOptions, horizons_with, run_forecast_eval
     from prorsa.workload.errors import WorkloadError
     from services.allocator.policy import PolicyError
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, WorkloadError, PolicyError) as exc:
         print(f"prorsa forecast-eval: {exc}", file=sys.stderr)
         return 2
-    out = Console(width=None if sys.stdout.isatty() else 150)  # piped: room for every column
+    out = table_console()
     for h in options.horizons_s if args.all_horizons else (float(args.horizon),):
         out.print(score_table(result, h))
     if value is not None:

@@ -93,13 +93,12 @@ def run_with_progress(cfg, label: str):  # noqa: ANN001, ANN201 - LiveConfig →
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from prorsa.console import table_console
     from prorsa.rollout.report import plot_live, summary_table
 
     cfg = live_config(args)
     result = run_with_progress(cfg, f"rollout {args.workload} · {args.policy}")
-    console = Console()
+    console = table_console()
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
     title = f"prorsa rollout · {args.workload} · {args.engines} × {args.backend} engines · {args.mode}"

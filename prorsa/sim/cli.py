@@ -124,13 +124,12 @@ def result_table(result: SimResult, data: dict[str, Any]) -> Table:
 
 def run_sim_command(args: argparse.Namespace) -> int:
     """Run `prorsa sim` with parsed `args`; returns the process exit code (2 on a bad configuration)."""
-    from rich.console import Console
-
+    from prorsa.console import table_console
     from prorsa.sim.runner import run_simulation
     from prorsa.workload.errors import WorkloadError
     from services.allocator.policy import PolicyError
 
-    console = Console()
+    console = table_console()
     try:
         config = config_from_args(args)
         with console.status("simulating…"):
