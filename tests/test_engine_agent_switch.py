@@ -170,11 +170,12 @@ async def test_graceful_stop_hands_in_flight_decodes_to_another_engine(nats_serv
         await second.stop()
 
 
-async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_before_it_decodes_only(
+async def test_a_mixed_engine_switching_to_decode_drains_its_unprefilled_prompts_to_idle(
     nats_server, nc
 ) -> None:
-    """A decode engine never plans a prefill step: a prompt still queued on a mixed engine switching to decode
-    must be prefilled before the switch, or handed on when the drain timeout ends first — never left waiting."""
+    """A switch drains to idle whatever the new role: prompts still queued on a mixed engine switching to decode
+    finish here (prefill and decode) within the drain timeout, or go back to the prefill queue untouched — never
+    left on a decode engine, which never plans a prefill step."""
     watcher = Watcher()
     await watcher.attach(nc)
     # Room for the four prompts at once: ~22 modelled s of prefill (1.1 s wall at 20×) the switch lands inside.
@@ -194,29 +195,64 @@ async def test_prompts_a_mixed_engine_has_not_prefilled_finish_their_prefill_bef
         rids = [f"pf{i}" for i in range(4)]
         await queue_prompts(rids)
         assert not any(j.prefilled for j in switcher.runner.jobs.values())
-        # Generous drain timeout: every prompt finishes its prefill here, then decodes here in the decode role.
+        # Generous drain timeout: every prompt is prefilled and decoded here before the engine reconfigures.
         ack = await send(nc, "pf-x", command("pf-x", "decode", 1, drain_timeout_s=60.0), timeout_s=20.0)
-        assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.migrated_requests == 0
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (0, 4)
+        assert not switcher.runner.jobs
         await watcher.wait_finished(rids)
         for rid in rids:
             chunks = watcher.assert_exact_stream(rid, 30)
             assert {c.engine_id for c in chunks} == {"pf-x"}
 
-        # Back to mixed, then the same with no time to drain: what is not prefilled goes back to the prefill
-        # queue untouched, a prefill engine takes it and the (now decode) engine decodes the handoff.
+        # Back to mixed, then the same with no time to drain: every prompt goes back to the prefill queue
+        # untouched, a prefill engine takes it and the (now decode) engine decodes the handoff.
         ack = await send(nc, "pf-x", command("pf-x", "mixed", 2))
         assert isinstance(ack, RoleSwitchAck) and ack.ok
         await other.start()
         late = [f"pl{i}" for i in range(4)]
         await queue_prompts(late)
         ack = await send(nc, "pf-x", command("pf-x", "decode", 3, drain_timeout_s=0.01), timeout_s=20.0)
-        assert isinstance(ack, RoleSwitchAck) and ack.ok and ack.migrated_requests >= 3
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (4, 0)
         await watcher.wait_finished(late)
         for rid in late:
             watcher.assert_exact_stream(rid, 30)
         assert {c.prefill_engine for r in late for c in watcher.chunks[r] if c.finished} == {"pf-p"}
     finally:
         for a in (switcher, other):
+            await a.stop()
+
+
+async def test_decodes_on_a_mixed_engine_switching_to_decode_migrate_unless_they_end_within_the_drain(
+    nats_server, nc
+) -> None:
+    """The new role would serve them, but a switch drains to idle first (the simulator's engines run the same
+    rule): long decodes migrate, re-prefilled elsewhere, and their streams stay exact."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    switcher = make_agent(nats_server.url, "md-x", "mixed")
+    await switcher.start()
+    prefill = make_agent(nats_server.url, "md-p", "prefill")
+    decode = make_agent(nats_server.url, "md-d", "decode")
+    try:
+        rids = [f"md{i}" for i in range(3)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_for("md-x"), request(rid, max_tokens=1500))
+        await wait_until(lambda: all(watcher.tokens_streamed(r) >= 30 for r in rids))
+        await prefill.start()
+        await decode.start()
+        ack = await send(nc, "md-x", command("md-x", "decode", 1, drain_timeout_s=0.05))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (3, 0)
+        assert switcher.role == "decode" and not switcher.runner.jobs
+        await watcher.wait_finished(rids)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 1500)
+            assert chunks[0].engine_id == "md-x"
+            assert {c.prefill_engine for c in chunks if c.finished} == {"md-p"}  # re-prefilled after the move
+    finally:
+        for a in (switcher, prefill, decode):
             await a.stop()
 
 

@@ -1,10 +1,14 @@
 """Role switching of a simulated engine: drain, reconfigure, rejoin (`SimEngine` calls these).
 
-`request_switch(role, now, epoch)`: the engine leaves the router's pools (queued, unstarted prompts are re-routed),
-finishes prefills in progress, keeps decodes expected to finish within `drain_bound_s` and migrates the others
-(re-queued for prefill elsewhere with their context recomputed); handoffs that arrive while draining are forwarded
-to another decode engine. Drained, it reconfigures for `role_switch_s` and rejoins in its new role; its prefix
-cache survives unless the new role is `decode`. A switch back to the current role before reconfiguration starts cancels it.
+The rule is the live agent's (`services.engine_agent.role_state`): an engine drains to idle before it
+reconfigures, whatever the new role. `request_switch(role, now, epoch)`: the engine leaves the router's pools
+(queued, unstarted prompts are re-routed) and finishes prefills in progress (`job_fate`: a prefill finishes); a
+decode stays if `finishes_in_drain` within `drain_bound_s` and migrates otherwise (re-queued for prefill
+elsewhere with its context recomputed). Handoffs that arrive while draining are forwarded to another decode engine,
+and a mixed engine hands a prompt it prefilled while draining to a decode engine with its KV (a live mixed request
+is one generate call, which cannot move its KV: it finishes or migrates as a decode). Drained, it reconfigures for
+`role_switch_s` and rejoins in its new role; its prefix cache survives unless the new role is `decode`. A switch
+back to the current role before reconfiguration starts cancels it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING, cast
 
 from prorsa.sim import events as ev
 from services.engine_agent.engine_core import ACTIVE, DRAINING, RECONFIG
+from services.engine_agent.role_state import finishes_in_drain
 from services.runtime import perf_model as pm
 
 if TYPE_CHECKING:
@@ -59,7 +64,8 @@ def migrate_long_decodes(engine: SimEngine, now: float) -> None:
     batch = len(engine.seqs)
     step_s = engine._cost.decode_step_s(batch, engine._ctx_base + batch * engine.steps_done)
     bound = engine.drain_bound_s
-    leaving = [r for r in engine.seqs.values() if (r.target_step - engine.steps_done) * step_s > bound]
+    done = engine.steps_done
+    leaving = [r for r in engine.seqs.values() if not finishes_in_drain(r.target_step - done, step_s, bound)]
     for req in leaving:
         decoded = engine.decoded_so_far(req)
         engine._leave_batch(req)

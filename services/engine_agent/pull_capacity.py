@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from mypy_extensions import mypyc_attr
 
+from services.engine_agent.role_state import finishes_in_drain
+
 WorkKind = Literal["prefill", "decode"]  # the queue family: GenerateRequests or DecodeHandoffs
 
 
@@ -161,6 +163,6 @@ def plan_drain(items: list[DrainItem], drain_timeout_s: float) -> tuple[list[str
     finish: list[str] = []
     migrate: list[str] = []
     for it in items:
-        expected_s = max(0, it.remaining_tokens) * max(0.0, it.s_per_token)
-        (finish if expected_s <= drain_timeout_s else migrate).append(it.request_id)
+        keep = finishes_in_drain(it.remaining_tokens, it.s_per_token, drain_timeout_s)
+        (finish if keep else migrate).append(it.request_id)
     return finish, migrate

@@ -24,7 +24,8 @@ Phases: `serving` → (`start`) `draining` → (`on_switch_done`) `serving` in t
 Invariants (property-tested): `applied_epoch <= newest_epoch`, both only increase, and stale or duplicate commands
 leave the state unchanged.
 
-`job_fate` says what a held request does when its engine changes role (used by the agent's drain).
+`job_fate` and `finishes_in_drain` say what a held request does when its engine changes role: the one switch rule,
+which the agent's drain (`switch_drain.py`) and the simulator's engines (`prorsa.sim.engine_switching`) both run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from proto import ROLES, RoleSwitchAck, RoleSwitchCommand
 Phase = Literal["serving", "draining"]
 DecisionKind = Literal["start", "queued", "wait", "replay", "stale", "rejected"]
 JobKind = Literal["prefill", "decode", "generate"]
-JobFate = Literal["continue", "finish", "prefill_first", "drain"]
+JobFate = Literal["finish", "drain"]
 # The allocator numbers commands cluster-wide, so a fresh engine's first epoch may be large; 2^32 commands is more
 # than any deployment issues, and far below proto.MAX_COUNTER (2^53 - 1).
 DEFAULT_MAX_EPOCH_JUMP = 2**32
@@ -193,20 +194,21 @@ def on_switch_failed(
     return new, ack, nxt
 
 
-def job_fate(kind: JobKind, new_role: str, prefilled: bool = True) -> JobFate:
-    """What a held request does when its engine switches to `new_role`.
+def job_fate(kind: JobKind) -> JobFate:
+    """What a held request does when its engine switches role: the engine drains to idle first, whatever the new
+    role, as production in-place role switches do (SGLang pull 28403, vLLM issue 56133: CALIBRATION.md). The
+    simulator's engines follow the same rule (`prorsa.sim.engine_switching`).
 
-    A prefill is short: it always finishes ("finish the batch"). A sequence decoding here (a decode handoff, or a
-    mixed-role request) keeps running when the new role decodes too; otherwise it drains: it finishes if it is
-    expected to end within the drain timeout, else it migrates (re-prefill elsewhere). A mixed-role request whose
-    prompt is not `prefilled` yet cannot just keep running on a decode engine, which never plans a prefill step
-    (it would wait there for ever): it finishes its prefill first ("prefill_first"), then keeps decoding.
+    A prefill is short: it finishes ("finish the batch"). Anything that decodes here, or would after its prefill (a
+    decode handoff, a mixed-role request, prefilled or not), drains: it finishes if `finishes_in_drain`, else it
+    migrates (re-prefilled elsewhere, or handed on untouched if it has streamed nothing).
     """
-    if kind == "prefill":
-        return "finish"
-    if new_role in ("decode", "mixed"):
-        return "prefill_first" if new_role == "decode" and not prefilled else "continue"
-    return "drain"
+    return "finish" if kind == "prefill" else "drain"
+
+
+def finishes_in_drain(remaining_tokens: int, s_per_token: float, drain_bound_s: float) -> bool:
+    """A draining engine keeps a decode expected to end within the drain bound, at its inter-token time."""
+    return max(0, remaining_tokens) * max(0.0, s_per_token) <= drain_bound_s
 
 
 def _stale_ack(state: RoleState, cmd: RoleSwitchCommand, now: float) -> RoleSwitchAck:

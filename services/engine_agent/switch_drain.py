@@ -1,18 +1,17 @@
 """The I/O side of a role switch and of a graceful stop: drain or hand on what the engine holds.
 
-A switch (the epoch decision is `role_state`'s; this only executes an accepted command):
+A switch (the epoch decision is `role_state`'s; this only executes an accepted command) drains the engine to idle,
+whatever the new role — the rule the simulator's engines run too (`role_state.job_fate`):
 1. pulling is already paused by the caller; wait until no fetch is in flight;
 2. prompts queued for this engine by address (`work.prefill.engine.<id>`, the only addressed queue) move to the
    shared prefill queue if the new role is decode, which does not prefill;
-3. every held request meets its `role_state.job_fate`: prefills finish (the batch completes); decodes the new role
-   also serves keep running; a mixed-role request bound for the decode role whose prompt is not prefilled yet
-   finishes its prefill here first (the engine still serves its old role while it drains); other decodes finish
-   if expected to end within the command's `drain_timeout_s` and migrate otherwise (`pull_capacity.plan_drain`,
-   from each request's observed inter-token time);
-4. requests still running (or still prefilling) when the drain timeout passes are handed on too — a prompt that
-   streamed nothing goes back to the prefill queue unchanged — so a switch takes bounded time and leaves nothing
-   the new role cannot finish;
-5. the backend reconfigures (`set_role`: the sim backend pays the profile's switch cost).
+3. prefills finish (the batch completes); every request that decodes here, or would once prefilled, finishes if
+   expected to end within the command's `drain_timeout_s` and migrates otherwise (`pull_capacity.plan_drain`, from
+   each request's observed inter-token time) — a prompt that streamed nothing goes back to the prefill queue
+   unchanged;
+4. requests still running when the drain timeout passes are handed on too, so a switch takes bounded time;
+5. the engine holds nothing: the backend reconfigures (`set_role`: the sim backend pays the profile's switch cost,
+   a vLLM backend restarts only if the new role's settings differ).
 A graceful stop hands on everything at once: nothing the engine held is lost, and migrated streams stay exact
 (a crash instead relies on JetStream redelivery).
 
@@ -32,7 +31,6 @@ from services.engine_agent.pull_capacity import DrainItem, plan_drain
 from services.engine_agent.role_state import job_fate
 
 HAND_ON_TIMEOUT_S = 10.0  # wall: a stopped job publishes one message and acks, seconds are plenty
-PREFILLED_POLL_S = 0.01  # wall: how often a drain looks whether its jobs ended or left their prefill
 
 
 async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
@@ -44,27 +42,24 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
         await puller.forward_addressed()
     jobs: list[Job] = list(runner.jobs.values())
     by_id = {j.request_id: j for j in jobs}
-    fates = {j.request_id: job_fate(j.kind, new, j.prefilled) for j in jobs}
-    finishing = [j for j in jobs if fates[j.request_id] == "finish"]
-    prefilling = [j for j in jobs if fates[j.request_id] == "prefill_first"]
+    finishing = [j for j in jobs if job_fate(j.kind) == "finish"]
     items = [
         DrainItem(j.request_id, j.remaining_tokens, runner.s_per_token(j))
         for j in jobs
-        if fates[j.request_id] == "drain"
+        if job_fate(j.kind) == "drain"
     ]
     finish_ids, migrate_ids = plan_drain(items, cmd.drain_timeout_s)
     finishing += [by_id[i] for i in finish_ids]
     movers = [by_id[i] for i in migrate_ids]
     for job in movers:
         await runner.stop_job(job)
-    await _wait_until_done(finishing, prefilling, agent.clock.wall_s(cmd.drain_timeout_s))
-    late = [j for j in finishing if not _ended(j)] + [j for j in prefilling if not j.prefilled]
+    await wait_jobs(finishing, agent.clock.wall_s(cmd.drain_timeout_s))
+    late = [j for j in finishing if not _ended(j)]
     for job in late:
         await runner.stop_job(job)
     await wait_jobs(movers + late, HAND_ON_TIMEOUT_S)
-    touched = finishing + movers + [j for j in prefilling if j in late]
-    migrated = sum(j.outcome in ("migrated", "requeued") for j in touched)
-    drained = sum(j.outcome in ("finished", "handed_off") for j in touched)
+    migrated = sum(j.outcome in ("migrated", "requeued") for j in jobs)
+    drained = sum(j.outcome in ("finished", "handed_off") for j in jobs)
     agent.log.info(
         "role_drained", old=old, new=new, epoch=cmd.epoch, migrated=migrated, drained=drained, late=len(late)
     )
@@ -88,18 +83,6 @@ async def wait_jobs(jobs: list[Job], timeout_s: float) -> None:
     tasks = [j.task for j in jobs if j.task is not None and not j.task.done()]
     if tasks:
         await asyncio.wait(tasks, timeout=max(0.0, timeout_s))
-
-
-async def _wait_until_done(finishing: list[Job], prefilling: list[Job], timeout_s: float) -> None:
-    """Wait until every job of `finishing` ended and every job of `prefilling` is prefilled (or ended), at most
-    `timeout_s` wall seconds. Polled: a job's phase is plain state, and a switch is rare."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(0.0, timeout_s)
-    while any(not _ended(j) for j in finishing) or any(not j.prefilled for j in prefilling):
-        left = deadline - loop.time()
-        if left <= 0:
-            return
-        await asyncio.sleep(min(PREFILLED_POLL_S, left))
 
 
 def _ended(job: Job) -> bool:
