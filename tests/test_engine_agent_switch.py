@@ -277,3 +277,35 @@ async def test_a_prompt_addressed_to_a_decode_engine_moves_to_the_shared_queue(n
     finally:
         for a in (decode, prefill):
             await a.stop()
+
+
+async def test_a_forward_that_cannot_store_waits_before_the_retry(nats_server, nc) -> None:
+    """A decode engine that cannot store a forwarded prompt for a while (a stream publish timing out, as while a
+    server restarts) leaves it in its own queue with a delay: the prompt is forwarded once the bus takes it, instead
+    of spending its deliveries (`WORK_MAX_DELIVER`) in a tight loop and being dropped."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    decode = make_agent(nats_server.url, "fd-d", "decode")
+    prefill = make_agent(nats_server.url, "fd-p", "prefill")
+    await decode.start()
+    await prefill.start()
+    real_publish = decode.js.publish
+    failing_until = time.monotonic() + 1.5
+    attempts = 0
+
+    async def flaky_publish(subject: str, payload: bytes = b"", **kw: Any) -> Any:
+        nonlocal attempts
+        if subject == S.prefill_work_any and time.monotonic() < failing_until:
+            attempts += 1
+            raise TimeoutError("stream publish timed out")
+        return await real_publish(subject, payload, **kw)
+
+    decode.js.publish = flaky_publish
+    try:
+        await publish_work(nc, S.prefill_work_for("fd-d"), request("fd0", max_tokens=20))
+        await watcher.wait_finished(["fd0"])
+        watcher.assert_exact_stream("fd0", 20)
+        assert 1 <= attempts <= 3  # one try a second at most while the bus refuses
+    finally:
+        for a in (decode, prefill):
+            await a.stop()

@@ -51,6 +51,19 @@ def durable_name(kind: WorkKind, engine_id: str | None) -> str:
     return f"{kind}-{'any' if engine_id is None else engine_id.replace(':', '_')}"
 
 
+# A forward that cannot store its prompt (the stream refuses or times out, as while a server restarts) leaves it in
+# this engine's queue and retries after a backoff: an immediate nak would spend the message's `WORK_MAX_DELIVER`
+# deliveries in a tight loop within a second and drop it. 0.5 s doubling to 10 s rides out ~2.5 minutes of refusals.
+FORWARD_RETRY_S = 0.5
+FORWARD_RETRY_MAX_S = 10.0
+
+
+def forward_retry_delay_s(deliveries: int | None) -> float:
+    """Seconds before a prompt whose forward failed on its `deliveries`-th delivery is delivered again."""
+    n = max(1, deliveries or 1)
+    return min(FORWARD_RETRY_MAX_S, FORWARD_RETRY_S * 2.0 ** min(n - 1, 16))
+
+
 class WorkPuller:
     def __init__(self, agent: Any, runner: JobRunner, config: PullConfig) -> None:
         self.agent = agent
@@ -246,10 +259,11 @@ class WorkPuller:
             seq = m.metadata.sequence.stream
             try:
                 await self.agent.js.publish(target, m.data, headers={"Nats-Msg-Id": f"fwd:{m.subject}:{seq}"})
-            except BUS_ERRORS as exc:  # not stored: leave it here for the next forward
-                self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc))
+            except BUS_ERRORS as exc:  # not stored: leave it here, redelivered after a backoff
+                delay_s = forward_retry_delay_s(m.metadata.num_delivered)
+                self.agent.log.warning("forward_failed", kind="prefill", error=repr(exc), retry_in_s=delay_s)
                 with contextlib.suppress(*BUS_ERRORS):
-                    await m.nak()
+                    await m.nak(delay=delay_s)
                 continue
             with contextlib.suppress(*BUS_ERRORS):
                 await m.ack()
