@@ -282,7 +282,8 @@ async def test_a_prompt_addressed_to_a_decode_engine_moves_to_the_shared_queue(n
 async def test_a_forward_that_cannot_store_waits_before_the_retry(nats_server, nc) -> None:
     """A decode engine that cannot store a forwarded prompt for a while (a stream publish timing out, as while a
     server restarts) leaves it in its own queue with a delay: the prompt is forwarded once the bus takes it, instead
-    of spending its deliveries (`WORK_MAX_DELIVER`) in a tight loop and being dropped."""
+    of spending its deliveries (`WORK_MAX_DELIVER`) in a tight loop, after which JetStream stops delivering it and
+    the turn waits for the client's retry (`retry_after_s`)."""
     watcher = Watcher()
     await watcher.attach(nc)
     decode = make_agent(nats_server.url, "fd-d", "decode")

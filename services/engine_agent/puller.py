@@ -53,7 +53,8 @@ def durable_name(kind: WorkKind, engine_id: str | None) -> str:
 
 # A forward that cannot store its prompt (the stream refuses or times out, as while a server restarts) leaves it in
 # this engine's queue and retries after a backoff: an immediate nak would spend the message's `WORK_MAX_DELIVER`
-# deliveries in a tight loop within a second and drop it. 0.5 s doubling to 10 s rides out ~2.5 minutes of refusals.
+# deliveries in a tight loop within a second, after which JetStream stops delivering it and the turn waits for the
+# client's retry (`retry_after_s`). 0.5 s doubling to 10 s rides out ~2.5 minutes of refusals.
 FORWARD_RETRY_S = 0.5
 FORWARD_RETRY_MAX_S = 10.0
 
