@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from prorsa.sim.sim_driver import MODES
+from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -41,7 +42,7 @@ def add_run_arguments(
     parser.add_argument("--group-size", type=int, default=1, help="trajectories per GRPO group")
     parser.add_argument("--training-s", type=float, default=60.0, help="trainer seconds per batch")
     parser.add_argument(
-        "--drain-bound-s", type=float, default=5.0, help="switching: keep decodes ending within"
+        "--drain-bound-s", type=float, default=DRAIN_TIMEOUT_S, help="switching: keep decodes ending within"
     )
     parser.add_argument(
         "--forecaster",

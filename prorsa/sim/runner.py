@@ -14,6 +14,7 @@ from prorsa.sim.sim_driver import MODES, StepSource
 from prorsa.sim.views import DemandFeed
 from services.allocator.policy import AllocatorPolicy
 from services.allocator.registry import make_policy
+from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
 from services.engine_agent.engine_core import DEFAULT_MAX_MODEL_LEN
 from services.runtime import perf_model as pm
 from services.runtime.model_profiles import load_profile
@@ -39,7 +40,7 @@ class SimConfig:
     group_size: int = 1  # trajectories per GRPO group (spec-string workloads)
     window_s: float = 10.0  # width of the time-series windows
     drain_bound_s: float = (
-        5.0  # a switching engine keeps decodes expected to finish within this, migrates others
+        DRAIN_TIMEOUT_S  # a switching engine keeps decodes ending within this, migrates others
     )
     # Demand predictor of the live forecast feed (services.forecaster: naive, ewma, ets, arima, lifecycle, ensemble);
     # used only by policies that read forecasts (`AllocatorPolicy.uses_forecast`).

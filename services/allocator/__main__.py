@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from services.allocator.service import AllocatorService
+from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
 from services.runtime.main import run_service_main
 
 
@@ -35,7 +36,9 @@ def _extend(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-concurrent-fraction", type=float, default=0.25, help="most engines switching at once"
     )
-    p.add_argument("--drain-timeout-s", type=float, default=30.0, help="drain bound sent with each command")
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S, help="drain bound sent with each command"
+    )
 
 
 def _make(args: argparse.Namespace, url: str, namespace: str) -> AllocatorService:

@@ -55,7 +55,7 @@ from services.allocator.observed import QueueDepth, RecentLoad, build_view
 from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, PolicyError
 from services.allocator.registry import make_policy, policy_names
-from services.allocator.switch_coordinator import SwitchCoordinator
+from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S, SwitchCoordinator
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.clock import Clock
 from services.runtime.service import Service
@@ -81,7 +81,7 @@ class AllocatorService(Service):
         forecast_stale_s: float = 30.0,
         clock_skew_s: float = 2.0,
         max_concurrent_fraction: float = 0.25,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
         initial_phase_s: float = 30.0,
         observe_events: bool = True,
         clock: Clock | None = None,

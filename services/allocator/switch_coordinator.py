@@ -22,6 +22,13 @@ from dataclasses import dataclass, field
 
 from proto import EngineStats, RoleSwitchAck, RoleSwitchCommand
 
+# The drain bound every switch command carries (RoleSwitchCommand.drain_timeout_s, scaled seconds): a switching
+# engine keeps decodes expected to end within it and migrates the rest (role_state.finishes_in_drain). One value
+# for the live allocator, the simulator (SimConfig.drain_bound_s) and the prorsa policy, which prices a move's drain
+# with it: a live allocator sending another bound than the one modelled runs a different switch than it planned (it
+# sent 30 s while the model and every simulated figure assumed 5: a mover then sat up to 30 s without new work).
+DRAIN_TIMEOUT_S = 5.0
+
 PREFILL_CAPABLE = frozenset({"prefill", "mixed"})
 DECODE_CAPABLE = frozenset({"decode", "mixed"})
 
@@ -44,7 +51,7 @@ class SwitchCoordinator:
     stale_after_s: float = 5.0
     ack_timeout_s: float = 60.0
     max_concurrent_fraction: float = 0.25
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     epoch: int = 0
     stats: dict[str, EngineStats] = field(default_factory=dict)
     seen_at_s: dict[str, float] = field(default_factory=dict)

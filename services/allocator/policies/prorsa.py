@@ -77,6 +77,7 @@ from services.allocator.policies.common import (
 from services.allocator.policies.step_memory import StepMemory, model_error
 from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
+from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
 
 QUANTILES = ("q10", "q50", "q90")
 # Three-point rule for a normal forecast: q10 and q90 lie at ∓1.2816 σ; weights w, 1 − 2w, w reproduce the
@@ -94,8 +95,8 @@ class ProrsaPolicy(AllocatorPolicy):
     capacity: CapacityModel = field(default_factory=lambda: make_capacity(None))
     margin: float = 0.03  # relative gain a move must promise beyond its own cost (model error tolerance)
     # A switching engine keeps decodes expected to end within this and migrates the rest by re-prefill elsewhere
-    # (the simulator's drain bound, SimConfig.drain_bound_s; RoleSwitchCommand.drain_timeout_s live).
-    drain_timeout_s: float = 5.0
+    # (the bound the coordinator sends, switch_coordinator.DRAIN_TIMEOUT_S).
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     max_horizon_s: float = 300.0  # longest a split is trusted to serve (the forecast says little beyond)
     # Queued prefill seconds above which placement sends a turn away from the engine holding its prefix (the
     # simulator's router; the client's directory uses a queue depth of the same order).
