@@ -164,7 +164,8 @@ class ProrsaPolicy(AllocatorPolicy):
     def plan(self, view: ClusterView) -> Plan | None:
         _check_view(view)
         self._memo.clear()  # the capacity model's corrections change below
-        self._queued = float(sum(e.waiting for e in view.engines if e.role in ("prefill", "mixed")))
+        engine_queued = sum(e.waiting for e in view.engines if e.role in ("prefill", "mixed"))
+        self._queued = float(max(view.prefill_queue_len, engine_queued))
         self._queued_tokens = float(view.prefill_queue_tokens)
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
