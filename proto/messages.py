@@ -285,6 +285,11 @@ class EngineStats(Message, frozen=True, kw_only=True):
     # The performance profile it runs as — a built-in name or a profile file written by `prorsa profile` — so the
     # allocator plans with the engines it has ("" = not known).
     profile: str = ""
+    # Prompts addressed to it (prefix affinity: `Subjects.prefill_work_for`) that it has not pulled yet. `waiting`
+    # counts only what it pulled, at most a prefill budget's worth; the addressed backlog beyond is invisible there
+    # and grew to 70+ prompts on two of five prefill engines while three idled (docs/benchmarks.md, "The
+    # allocator at high concurrency"). Clients count both before addressing a turn to it.
+    addressed_waiting: NonNegInt = 0
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

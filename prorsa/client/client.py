@@ -218,8 +218,11 @@ class RolloutClient:
         request: GenerateRequest,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
+        new_tokens: int = 0,
     ) -> GenerateResult:
-        """Send a turn and wait for its whole output; retries a request that makes no progress.
+        """Send a turn and wait for its whole output; retries a request that makes no progress. `new_tokens`: what
+        the prompt appends to the trajectory's last prompt + output (0 = unknown), which prices a move away from
+        the engine holding its prefix (`EngineDirectory.accepts_state`).
 
         Raises GenerateError (the engine refused it), TimeoutError (no result in time), ClusterSaturated (refused
         by a full queue for `admission_timeout_s`), ValueError (this request id is already in flight here)."""
@@ -241,7 +244,8 @@ class RolloutClient:
             stalls = 0  # retries after retry_after_s without progress; outage retries do not count
             for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline)
+                worth = request.prompt_len / new_tokens if new_tokens > 0 else 0.0
+                await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline, worth)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
                 if result is not None:
@@ -292,13 +296,15 @@ class RolloutClient:
         back = self._reconnected_mono
         return back is not None and pending.last_progress_mono < back and now - back >= self.recover_after_s
 
-    async def _publish_request(self, req: GenerateRequest, msg_id: str, deadline: float | None) -> None:
+    async def _publish_request(
+        self, req: GenerateRequest, msg_id: str, deadline: float | None, worth_prompts: float = 0.0
+    ) -> None:
         """Publish a turn into the work queue; a full queue is backed off from (see the module doc)."""
         started = time.monotonic()
         delay = 0.05
         while True:
             target = (
-                self.directory.affinity_target(req.affinity_engine, time.monotonic())
+                self.directory.affinity_target(req.affinity_engine, time.monotonic(), worth_prompts)
                 if req.affinity_engine
                 else None
             )
@@ -431,7 +437,9 @@ class Trajectory:
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
         )
-        result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s)
+        result = await self.client.submit(
+            req, on_tokens=on_tokens, timeout_s=timeout_s, new_tokens=max(0, n - self.context_tokens)
+        )
         self.results.append(result)
         self.affinity_engine = result.prefill_engine or result.engine_id
         self.context_tokens = n + len(result.token_ids)

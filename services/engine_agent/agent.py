@@ -51,6 +51,10 @@ from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
 
+# Wall seconds the stats loop waits for its addressed queue's pending count (a JetStream request): a slow answer
+# must not hold back the stats themselves, which carry the previous count meanwhile.
+STATS_QUERY_S = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
@@ -126,6 +130,7 @@ class EngineAgent(Service):
         self._weights_task: asyncio.Task[Any] | None = None
         self._stats_prev = (self.clock.monotonic_s(), 0, 0, 0)
         self._hit_rate = 0.0
+        self._addressed_waiting = 0  # the addressed queue's backlog, as of the last stats loop (EngineStats)
         self._handed_off = False
         self._serving = False  # set once setup() completed: only then is there work to hand off
 
@@ -314,6 +319,12 @@ class EngineAgent(Service):
 
     async def _stats_loop(self) -> None:
         while True:
+            with contextlib.suppress(
+                *BUS_ERRORS, TimeoutError
+            ):  # the last figure stands until the bus answers
+                self._addressed_waiting = await asyncio.wait_for(
+                    self.puller.addressed_backlog(), STATS_QUERY_S
+                )
             stats = self.stats_snapshot()
             self.domain_metrics.observe(stats, self.runner.prefill_new_tokens, self.runner.decode_tokens)
             with contextlib.suppress(*BUS_ERRORS):
@@ -350,4 +361,5 @@ class EngineAgent(Service):
             in_flight_tokens=r.in_flight_tokens(),
             prefix_cache_tokens=max(0, b.prefix_cache_tokens),
             profile=self.config.profile,
+            addressed_waiting=self._addressed_waiting,
         )

@@ -107,6 +107,15 @@ class WorkPuller:
             )
             self.agent.consumed.append(subject)
 
+    async def addressed_backlog(self) -> int:
+        """Prompts addressed to this engine and not pulled yet (its own prefill consumer's pending count): clients
+        read it in EngineStats before sending a trajectory's turn here (`prorsa.client.directory`)."""
+        psub = self.subs.get(("prefill", True))
+        if psub is None:
+            return 0
+        info = await psub.consumer_info()
+        return int(info.num_pending or 0)
+
     async def close(self) -> None:
         """Unsubscribe the pull subscriptions (before the connection drains: a pull inbox can hold late status
         messages that no fetch will read, and draining would wait for them). Unacked work stays in the stream."""
