@@ -33,7 +33,7 @@ from proto import (
     RoleSwitchCommand,
     check_token,
 )
-from services.engine_agent.backend import Backend, BackendError
+from services.engine_agent.backend import Backend, BackendError, EngineDead
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.pull_capacity import PullConfig
 from services.engine_agent.puller import WorkPuller
@@ -46,7 +46,7 @@ from services.engine_agent.role_state import (
     on_switch_failed,
 )
 from services.engine_agent.runner import JobRunner
-from services.engine_agent.switch_drain import drain_for_switch, hand_off_all
+from services.engine_agent.switch_drain import drain_for_switch, hand_off_all, wait_jobs
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
@@ -77,6 +77,10 @@ class AgentConfig:
     max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP
     max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
     weights_root: str = ""  # weights_path must lie under it ("": only reloads from the model path)
+    # Health of the engine itself (wall seconds): how long it may take to start before the agent gives up and
+    # exits (None: no limit), and how often the liveness probe asks it whether it still serves.
+    start_timeout_s: float | None = None
+    liveness_interval_s: float = 2.0
 
 
 class EngineAgent(Service):
@@ -128,6 +132,7 @@ class EngineAgent(Service):
         self._hit_rate = 0.0
         self._handed_off = False
         self._serving = False  # set once setup() completed: only then is there work to hand off
+        self.engine_failure = ""  # why the engine died ("" while it lives): see `engine_dead`; exit_code 1
 
     @property
     def role(self) -> str:
@@ -140,7 +145,12 @@ class EngineAgent(Service):
         # to load: report "degraded" (details: starting=True) until the engine serves, so `prorsa up` and
         # `prorsa status` do not call a loading engine healthy.
         self.status = "degraded"
-        await self.backend.start()
+        try:
+            await asyncio.wait_for(self.backend.start(), self.config.start_timeout_s)
+        except TimeoutError:
+            raise BackendError(
+                f"engine {self.engine_id} did not start within {self.config.start_timeout_s:.0f} s"
+            ) from None
         await self.puller.setup()
         await self.subscribe(
             self.subjects.engine_command(self.engine_id), self._on_command, RoleSwitchCommand
@@ -152,6 +162,7 @@ class EngineAgent(Service):
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
         self.spawn(self.runner.progress_loop(self.config.progress_interval_s), name="progress")
         self.spawn(self._stats_loop(), name="stats")
+        self.spawn(self._liveness_loop(), name="liveness")
         assert self.nc is not None
         await self.nc.flush()  # the server has our subscriptions: a command sent after start() finds us
         self._serving = True
@@ -176,8 +187,41 @@ class EngineAgent(Service):
         await self.puller.close()
         await self.backend.close()
 
+    # -- a dead engine ---------------------------------------------------------------------------------------------
+
+    def engine_dead(self, exc: BaseException) -> None:
+        """The engine can serve no more (a job or the liveness probe found it dead): report it (health
+        `unhealthy`, details `engine: failed`), stop pulling, let every held job hand its work on, then stop with
+        exit status 1 so the supervisor (`prorsa up`, compose's restart policy) starts a fresh agent and engine.
+        Idempotent."""
+        if self.engine_failure:
+            return
+        self.engine_failure = repr(exc)[:300]
+        self.status = "unhealthy"
+        self.puller.pause("engine_dead")
+        self.metrics.count_error("engine_dead")
+        self.log.error("engine_dead", engine_id=self.engine_id, error=self.engine_failure)
+        self.spawn(self._leave_dead(), name="engine_dead")
+
+    async def _leave_dead(self) -> None:
+        await self.puller.wait_idle(self.config.stop_timeout_s)
+        # A dead engine fails every stream it had; each job then hands its work on (runner) and ends.
+        await wait_jobs(list(self.runner.jobs.values()), self.config.stop_timeout_s)
+        self.exit_code = 1
+        self.request_stop()
+
+    async def _liveness_loop(self) -> None:
+        while not self.engine_failure:
+            await asyncio.sleep(self.config.liveness_interval_s)  # wall cadence
+            try:
+                await self.backend.check_alive()
+            except EngineDead as exc:
+                self.engine_dead(exc)
+
     def health_details(self) -> dict[str, Any]:
         return {
+            "engine": "failed" if self.engine_failure else ("starting" if not self._serving else "ok"),
+            **({"engine_error": self.engine_failure} if self.engine_failure else {}),
             "engine_id": self.engine_id,
             "role": self.role,
             "epoch": self.role_state.applied_epoch,
