@@ -37,7 +37,8 @@ from services.engine_agent.kv_host import (
     is_loopback,
     nats_hosts,
 )
-from services.engine_agent.pull_capacity import HeldWork, PreemptionGate, measured_held
+from services.engine_agent.measured_capacity import PreemptionGate, measured_held
+from services.engine_agent.pull_capacity import HeldWork
 from services.runtime.model_profiles import load_profile
 
 

@@ -23,6 +23,7 @@ from services.engine_agent.engine_args import (
     EngineArgError,
     load_engine_args,
     parallel_sizes,
+    parse_engine_args,
     sim_ignored,
     sim_overrides,
 )
@@ -95,6 +96,15 @@ def extend(p: argparse.ArgumentParser) -> None:
         "(default: none)",
     )
     p.add_argument(
+        "--role-engine-arg",
+        action="append",
+        default=[],
+        metavar="ROLE:K=V",
+        help="vllm: an engine argument for one role only (prefill, decode or mixed), over --engine-arg, e.g. "
+        "decode:data_parallel_size=2; a switch to a role whose arguments differ restarts the engine, between "
+        "equal ones it is in place; repeatable (default: none)",
+    )
+    p.add_argument(
         "--nixl-host",
         default=None,
         help="vllm: address decode engines reach this engine's KV on (default: 127.0.0.1 when the NATS server "
@@ -161,6 +171,22 @@ def user_engine_args(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"engine_agent: {exc}") from None
 
 
+def role_engine_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """--role-engine-arg values by role. Raises SystemExit naming a bad one."""
+    out: dict[str, list[str]] = {}
+    for item in args.role_engine_arg:
+        role, sep, rest = item.partition(":")
+        if not sep or role not in ROLES:
+            raise SystemExit(
+                f"engine_agent: --role-engine-arg {item!r} is not ROLE:K=V (ROLE: {', '.join(ROLES)})"
+            )
+        out.setdefault(role, []).append(rest)
+    try:
+        return {role: parse_engine_args(items) for role, items in out.items()}
+    except EngineArgError as exc:
+        raise SystemExit(f"engine_agent: {exc}") from None
+
+
 def make_backend(args: argparse.Namespace, engine_id: str, nats_url: str = "") -> Backend:
     """The backend named by `--backend`. Raises SystemExit with a clear message when it cannot be built."""
     engine_args = user_engine_args(args)
@@ -181,6 +207,11 @@ def _sim_backend(args: argparse.Namespace, engine_id: str, engine_args: dict[str
     except ValueError as exc:  # EngineArgError included
         raise SystemExit(f"engine_agent: {exc}") from None
     ignored = sim_ignored(engine_args)
+    if args.role_engine_arg:
+        print(
+            "engine_agent: simulated engines ignore --role-engine-arg (one profile per engine)",
+            file=sys.stderr,
+        )
     if ignored:
         print(
             f"engine_agent: simulated engine ignores engine arguments {', '.join(ignored)}", file=sys.stderr
@@ -211,8 +242,10 @@ def _vllm_backend(
         raise SystemExit(f"engine_agent: --backend vllm needs vLLM installed ({exc})") from None
     from services.engine_agent.backends.vllm_engine import VllmEngineConfig
 
+    per_role = role_engine_args(args)
     try:
-        _, _, dp = parallel_sizes(engine_args)
+        # The largest data-parallel size any role runs decides the block of side-channel ports.
+        dp = max(parallel_sizes({**engine_args, **extra})[2] for extra in [{}, *per_role.values()])
         nixl_host = choose_nixl_host(args.nixl_host, nats_url)
         # One side channel per engine and per data-parallel rank (port + rank): several may share a host.
         nixl_port = args.nixl_port or free_port_block(dp)
@@ -232,7 +265,18 @@ def _vllm_backend(
         extra_engine_args=engine_args,
         **{k: v for k, v in given.items() if v is not None},
     )
-    return vllm_backend.VllmBackend(config, role=args.role)  # type: ignore[no-any-return]
+    # Every role gets its full argument set, so a switch back to a role without arguments of its own restores
+    # the engine-wide ones (VllmBackend.set_role restarts only when they differ from the running engine's).
+    overrides = (
+        {role: {"extra_engine_args": {**engine_args, **per_role.get(role, {})}} for role in ROLES}
+        if per_role
+        else {}
+    )
+    if per_role.get(args.role):
+        config = dataclasses.replace(config, extra_engine_args={**engine_args, **per_role[args.role]})
+    return vllm_backend.VllmBackend(  # type: ignore[no-any-return]
+        config, role=args.role, role_overrides=overrides
+    )
 
 
 def make_agent(args: argparse.Namespace, url: str, namespace: str) -> Service:

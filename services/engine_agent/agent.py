@@ -229,6 +229,7 @@ class EngineAgent(Service):
             "held_requests": len(self.runner.jobs),
             "policy_version": self.policy_version,
             "backend": self.backend.name,
+            "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
         }

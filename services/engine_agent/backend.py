@@ -100,7 +100,7 @@ class BackendStats:
     prefix_cache_tokens: int = 0  # prompt tokens held for reuse by later turns (0 = the engine does not say)
     # True when `kv_used_tokens` is the engine's own measurement of the KV in use (vLLM's block usage, every
     # data-parallel rank, blocks pinned for unclaimed handoffs included): decode admission then reads it instead
-    # of reserving each sequence's whole context + max_tokens (see pull_capacity.measured_held).
+    # of reserving each sequence's whole context + max_tokens (see measured_capacity.py).
     kv_measured: bool = False
     preemptions: int = 0  # cumulative sequences the engine preempted for want of KV (measured engines)
 

@@ -9,13 +9,6 @@ it cannot run stays in the shared queue where an idle engine takes it.
 - decode work (decode role): free batch slots and KV room for the prompt plus the expected output;
 - mixed role: a request both prefills and decodes here, so both limits apply.
 Sizes of work not yet seen are estimated from what was pulled before (`Ewma`).
-
-Engines that measure their KV (vLLM: `BackendStats.kv_measured`) are admitted on what they use, not on a
-reservation: a real model's output length is unknown, so reserving context + max_tokens per sequence admits a
-fraction of what the engine holds, and vLLM itself admits by the blocks in use and preempts when they run out.
-For them the KV held is the engine's measured use plus the contexts of held decodes it has not started yet
-(`measured_held`), a sequence is sized by its context alone, and a preemption stops decode pulls for a while
-(`PreemptionGate`): the engine has overcommitted, so more work would only be preempted too.
 """
 
 from __future__ import annotations
@@ -97,33 +90,6 @@ class PullEstimates:
         p, kv = self.prompt_tokens, self.kv_tokens
         p.value += p.alpha * (context_tokens - p.value)
         kv.value += kv.alpha * (context_tokens + expected_output_tokens - kv.value)
-
-
-def measured_held(held: HeldWork, kv_used_tokens: int, pending_context_tokens: int) -> HeldWork:
-    """`held` for an engine that measures its KV: the KV it uses now (every rank, handed-off blocks not yet
-    claimed included) plus `pending_context_tokens` (held decodes it has not started) instead of reservations."""
-    return HeldWork(
-        held.prefill_jobs,
-        held.prefill_tokens,
-        held.decode_jobs,
-        max(0, kv_used_tokens) + max(0, pending_context_tokens),
-    )
-
-
-@dataclass(slots=True)
-class PreemptionGate:
-    """Closes decode admission for `hold_s` after the engine preempted a sequence (its cumulative count rose)."""
-
-    hold_s: float = 2.0
-    seen: int = 0  # the last cumulative count looked at
-    closed_until_s: float = -math.inf
-
-    def open(self, preemptions: int, now_s: float) -> bool:
-        """Whether decode work may be pulled at `now_s` (seconds of any monotonic clock)."""
-        if preemptions > self.seen:
-            self.closed_until_s = now_s + self.hold_s
-        self.seen = max(self.seen, preemptions)
-        return now_s >= self.closed_until_s
 
 
 def kv_reservation_tokens(context_tokens: int, expected_output_tokens: int) -> int:

@@ -39,14 +39,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import DecodeHandoff, GenerateRequest, Subjects
-from services.engine_agent.pull_capacity import (
-    EngineLimits,
-    PreemptionGate,
-    PullConfig,
-    WorkKind,
-    measured_held,
-    pull_size,
-)
+from services.engine_agent.measured_capacity import PreemptionGate, measured_held
+from services.engine_agent.pull_capacity import EngineLimits, PullConfig, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
 
@@ -214,7 +208,7 @@ class WorkPuller:
         )
         held = self.runner.held()
         est_kv = self.runner.estimates.kv_tokens.value
-        if stats.kv_measured:  # admission by the engine's own KV use (pull_capacity's module doc)
+        if stats.kv_measured:  # admission by the engine's own KV use (measured_capacity.py)
             held = measured_held(held, stats.kv_used_tokens, self.runner.pending_decode_context())
             est_kv = self.runner.estimates.prompt_tokens.value
             now = time.monotonic()  # wall: preemptions happen in the engine's real time

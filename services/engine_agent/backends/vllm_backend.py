@@ -17,7 +17,7 @@ batch count every rank.
 
 Capacity. `stats()` reports vLLM's own KV use (`kv_measured`: every rank, blocks pinned for handoffs no decode
 engine has claimed yet included, as vLLM keeps them allocated) and its preemptions, which decode admission reads
-(`pull_capacity.measured_held`). vLLM does not report how many freed blocks it keeps for reuse, so
+(`measured_capacity.py`). vLLM does not report how many freed blocks it keeps for reuse, so
 `prefix_cache_tokens` is counted here: the contexts of the trajectories this engine served last (the newest
 first, each trajectory once), as many tokens as its KV cache holds — the LRU order in which vLLM evicts them.
 
