@@ -285,6 +285,9 @@ class EngineStats(Message, frozen=True, kw_only=True):
     # The performance profile it runs as — a built-in name or a profile file written by `prorsa profile` — so the
     # allocator plans with the engines it has ("" = not known).
     profile: str = ""
+    # Roles a switch to which restarts the engine (their layout differs: `--role-engine-arg`), so a planner can price
+    # such a switch as an engine start, not an in-place one ([] = every switch is in place).
+    restart_roles: list[Role] = []
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

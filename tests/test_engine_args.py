@@ -13,6 +13,7 @@ import pytest
 
 from services.engine_agent.__main__ import extend, make_backend
 from services.engine_agent.backends.sim_backend import SimBackend
+from services.engine_agent.backends.vllm_backend import VllmBackend
 from services.engine_agent.backends.vllm_engine import (
     VllmEngine,
     VllmEngineConfig,
@@ -197,8 +198,10 @@ def test_nixl_host_is_routable_and_loopback_is_refused_with_a_remote_server() ->
     with pytest.raises(KvHostError, match="loopback"):
         choose_nixl_host("127.0.0.1", remote)
     assert choose_nixl_host("10.9.8.7", remote) == "10.9.8.7"
-    # This machine's own address is not "another host": loopback is fine then.
+    # This machine's own address is not "another host": loopback is allowed when given, but by default the
+    # routable address is announced (engines on other nodes may join this node's NATS server).
     assert choose_nixl_host("127.0.0.1", f"nats://{facing}:4222") == "127.0.0.1"
+    assert choose_nixl_host(None, f"nats://{facing}:4222") == facing
 
 
 def test_a_port_block_serves_every_data_parallel_rank() -> None:
@@ -248,3 +251,21 @@ def test_measured_kv_admission_and_the_preemption_gate() -> None:
     assert gate.open(0, 0.0)
     assert not gate.open(3, 1.0)  # a preemption: closed for 2 s
     assert not gate.open(3, 2.5) and gate.open(3, 3.1)
+
+
+def test_per_role_engine_args_say_which_switches_restart() -> None:
+    args = _args(
+        "--backend", "vllm", "--model", "/m", "--role", "prefill", "--engine-arg", "tensor_parallel_size=2",
+        "--role-engine-arg", "decode:data_parallel_size=2", "--role-engine-arg", "decode:tensor_parallel_size=1",
+    )  # fmt: skip
+    backend = make_backend(args, "e0", "nats://127.0.0.1:4222")
+    assert isinstance(backend, VllmBackend)
+    assert backend.engine.config.extra_engine_args == {"tensor_parallel_size": 2}
+    assert backend.role_overrides["decode"] == {
+        "extra_engine_args": {"tensor_parallel_size": 1, "data_parallel_size": 2}
+    }
+    # Prefill and mixed share the engine-wide layout (in place); decode has its own (a restart).
+    assert backend.restart_roles() == ("decode",)
+    assert backend.stats().restart_roles == ("decode",)
+    with pytest.raises(SystemExit, match="ROLE:K=V"):
+        make_backend(_args("--backend", "vllm", "--model", "/m", "--role-engine-arg", "fast:x=1"), "e0")

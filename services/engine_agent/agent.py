@@ -395,4 +395,5 @@ class EngineAgent(Service):
             in_flight_tokens=r.in_flight_tokens(),
             prefix_cache_tokens=max(0, b.prefix_cache_tokens),
             profile=self.config.profile,
+            restart_roles=list(b.restart_roles),  # type: ignore[arg-type]
         )

@@ -103,6 +103,7 @@ class BackendStats:
     # of reserving each sequence's whole context + max_tokens (see measured_capacity.py).
     kv_measured: bool = False
     preemptions: int = 0  # cumulative sequences the engine preempted for want of KV (measured engines)
+    restart_roles: tuple[str, ...] = ()  # roles a switch to which restarts the engine (another layout)
 
 
 @runtime_checkable

@@ -4,8 +4,10 @@ A decode engine pulls a prompt's KV from the prefill engine at the host and port
 (`VLLM_NIXL_SIDE_CHANNEL_HOST` / `_PORT`, copied into `kv_transfer_params`). On one host, 127.0.0.1 serves; once
 engines run on several hosts it must be an address the others can route to, or every cross-host handoff fails
 into a re-prefill. Without `--nixl-host` the agent takes the address it reaches the NATS server from (the
-interface facing the cluster); given one, a loopback address is refused while the NATS server is on another host
-(its peers may be anywhere). Data-parallel rank r of an engine listens on port + r (vLLM's rule), so an engine
+interface facing the cluster) whenever the NATS URL names a routable address — this host's own included, as on
+the node that runs the NATS server while engines on other nodes join it — and 127.0.0.1 only when the URL is a
+loopback one (a single-host cluster). Given one, a loopback address is refused while the NATS server is on another
+host (its peers may be anywhere). Data-parallel rank r of an engine listens on port + r (vLLM's rule), so an engine
 needs a block of `dp` free ports.
 """
 
@@ -76,7 +78,8 @@ def _remote(hosts: list[str]) -> list[str]:
 def choose_nixl_host(given: str | None, nats_url: str) -> str:
     """The side-channel host to announce (see the module docstring). Raises KvHostError when `given` is a
     loopback address and the NATS server is on another host."""
-    remote = _remote(nats_hosts(nats_url))
+    hosts = nats_hosts(nats_url)
+    remote = _remote(hosts)
     if given:
         if is_loopback(given) and remote:
             raise KvHostError(
@@ -85,9 +88,10 @@ def choose_nixl_host(given: str | None, nats_url: str) -> str:
                 "to (or leave --nixl-host out: the address facing the NATS server is used)"
             )
         return given
-    if not remote:
+    routable = [h for h in hosts if not is_loopback(h)]
+    if not routable:
         return LOOPBACK
-    return address_towards(remote[0])
+    return address_towards(routable[0])
 
 
 def free_port_block(n: int, host: str = "", tries: int = 64) -> int:

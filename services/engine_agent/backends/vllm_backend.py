@@ -329,6 +329,17 @@ class VllmBackend:
             prefix_cache_tokens=self.prefix_cache_tokens(),
             kv_measured=True,
             preemptions=s.preemptions,
+            restart_roles=self.restart_roles(),
+        )
+
+    def restart_roles(self) -> tuple[str, ...]:
+        """Roles whose engine settings (`role_overrides`) differ from the running engine's: switching to them
+        restarts it."""
+        current = self.engine.config
+        return tuple(
+            role
+            for role, overrides in sorted(self.role_overrides.items())
+            if overrides and dataclasses.replace(current, **overrides) != current
         )
 
     def expected_output_tokens(self, request: GenerateRequest) -> int:
