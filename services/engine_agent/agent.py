@@ -51,6 +51,10 @@ from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
 
+# Wall seconds a dead engine's jobs get to hand themselves on (vLLM fails their streams at once) before the agent
+# hands them on itself.
+DEAD_ENGINE_GRACE_S = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
@@ -205,8 +209,16 @@ class EngineAgent(Service):
 
     async def _leave_dead(self) -> None:
         await self.puller.wait_idle(self.config.stop_timeout_s)
-        # A dead engine fails every stream it had; each job then hands its work on (runner) and ends.
-        await wait_jobs(list(self.runner.jobs.values()), self.config.stop_timeout_s)
+        # A dead engine fails every stream it had, and each job then hands its work on (runner) and ends; one whose
+        # stream the engine never ends is handed on from outside after a short grace.
+        jobs = list(self.runner.jobs.values())
+        await wait_jobs(jobs, DEAD_ENGINE_GRACE_S)
+        for job in jobs:
+            try:
+                await self.runner.hand_on_abandoned(job)
+            except BUS_ERRORS as exc:  # not stored: redelivered by JetStream after ack_wait instead
+                self.metrics.count_error("hand_off")
+                self.log.warning("hand_off_failed", request_id=job.request_id, error=repr(exc))
         self.exit_code = 1
         self.request_stop()
 

@@ -198,6 +198,17 @@ class JobRunner:
         job.stop = True
         await self.io.backend.abort(job.request_id)
 
+    async def hand_on_abandoned(self, job: Job) -> None:
+        """A job on a dead engine whose stream has not ended (the engine will never end it): stop waiting for it and
+        hand its work on from what it streamed so far. A job that already ended is left as it is."""
+        task = job.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if not job.outcome:
+            await self._hand_on(job)
+
     # -- running -------------------------------------------------------------------------------------------------
 
     async def _run(self, job: Job) -> None:

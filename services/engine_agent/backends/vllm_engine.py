@@ -536,8 +536,9 @@ class VllmEngine:
             yield chunk
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        if self._llm is not None:
+        """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored, and
+        so is everything once the engine is dead (its requests went with it)."""
+        if self._llm is not None and not self._dead():
             try:
                 await self._llm.abort(request_id)
             except _vllm_errors() as exc:
