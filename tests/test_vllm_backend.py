@@ -195,6 +195,22 @@ async def test_protocol_prefill_then_decode_continues_the_sampled_turn(
     assert [res.first_token_id, *rest] == colocated
 
 
+async def test_stats_report_measured_kv_and_the_prefix_cache(
+    engines: tuple[VllmBackend, VllmBackend],
+) -> None:
+    _, b = engines
+    prompt = _prompt(8)
+    busy = None
+    produced = 0
+    async for chunk in b.generate(_request("cache-me:0", prompt, 200, temperature=1.0)):
+        produced += len(chunk.token_ids)
+        if busy is None and produced >= 20:
+            busy = b.stats()  # mid-stream: the engine's own KV use (vLLM's blocks), not a reservation
+    assert busy is not None and busy.kv_measured and 0 < busy.kv_used_tokens <= busy.kv_capacity_tokens
+    # The trajectory's context (prompt + 200 outputs) is now counted as what a role switch would throw away.
+    assert b.stats().prefix_cache_tokens >= len(prompt) + 200
+
+
 async def test_decode_from_an_unreachable_prefill_engine_raises_kv_unavailable(
     engines: tuple[VllmBackend, VllmBackend],
 ) -> None:

@@ -315,7 +315,13 @@ class VllmEngine:
             raise
         self.start_s = time.perf_counter() - t0
         log.info(
-            "vLLM engine %s started in %.1f s (build %.1f s)", self.config.engine_id, self.start_s, build_s
+            "vLLM engine %s started in %.1f s (build %.1f s); KV side channel %s:%d (+ rank); compatibility %s",
+            self.config.engine_id,
+            self.start_s,
+            build_s,
+            self.config.nixl_host,
+            self.config.nixl_port,
+            self.compat,
         )
         return self.start_s
 
