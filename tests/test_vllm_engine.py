@@ -164,7 +164,9 @@ async def test_the_kv_lease_is_read_on_the_shared_clock_when_it_is_compressed() 
 
 
 class _FailingLlm:
-    """An AsyncLLM whose every call raises `exc`."""
+    """An AsyncLLM whose every call raises `exc` (its engine core alive: `errored` False)."""
+
+    errored = False
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
