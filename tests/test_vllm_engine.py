@@ -204,3 +204,11 @@ async def test_engine_failures_become_backend_errors_and_our_bugs_propagate(
     with pytest.raises(TypeError):  # our bug: not disguised as the engine's
         await run(TypeError("our bug"))
     engine._llm = None
+
+
+async def test_abort_on_a_dead_engine_is_a_no_op(without_vllm: None) -> None:
+    engine = VllmEngine(CONFIG)
+    dead = _FailingLlm(RuntimeError("engine core died"))
+    dead.errored = True  # as AsyncLLM says once its engine core process is gone
+    engine._llm = dead
+    await engine.abort("r")  # nothing left to abort: the hand-on of the agent's jobs must not stop here
