@@ -14,8 +14,8 @@ import pytest
 from services.engine_agent.__main__ import extend, make_backend
 from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.backends.vllm_backend import VllmBackend
-from services.engine_agent.backends.vllm_engine import (
-    VllmEngine,
+from services.engine_agent.backends.vllm_engine import VllmEngine
+from services.engine_agent.backends.vllm_launch import (
     VllmEngineConfig,
     _engine_env,
     engine_kwargs,

@@ -98,3 +98,27 @@ async def test_a_tiny_qwen3_moe_checkpoint_runs(tmp_path) -> None:
         assert len(first) == 8 and await _generate(engine, "moe-2", prompt, 8) == first  # deterministic
     finally:
         await engine.stop()
+
+
+async def test_a_switch_between_role_layouts_restarts_and_between_equal_ones_does_not(tmp_path) -> None:
+    from services.engine_agent.backends.vllm_backend import VllmBackend
+
+    model = build_tiny_model(str(tmp_path / "dense"), seed=0)
+    base = _config(model, "layouts")
+    # As `--role-engine-arg decode:max_num_seqs=2` builds it: every role its full argument set.
+    overrides = {role: {"extra_engine_args": {}} for role in ("prefill", "mixed")}
+    overrides["decode"] = {"extra_engine_args": {"max_num_seqs": 2}}
+    backend = VllmBackend(base, role="mixed", role_overrides=overrides)
+    try:
+        await backend.start()
+        llm = backend.engine._llm
+        assert backend.restart_roles() == ("decode",) and backend.engine.max_num_seqs == 4
+        await backend.set_role("prefill")  # the same layout: in place, the same engine
+        assert backend.engine._llm is llm
+        await backend.set_role("decode")  # another layout: a restart with the decode arguments
+        assert backend.engine._llm is not llm and backend.engine.max_num_seqs == 2
+        assert backend.restart_roles() == ("mixed", "prefill")
+        prompt = [(5 * i) % 31_000 + 3 for i in range(100)]
+        assert len(await _generate(backend.engine, "after", prompt, 4)) == 4
+    finally:
+        await backend.close()

@@ -3,7 +3,7 @@ arguments mean to a simulated engine (pure: no vLLM import, no I/O but reading t
 
 Keys are `AsyncEngineArgs` field names; dashes are accepted for underscores (`max-model-len`), as on vLLM's own
 command line. A value is read as JSON when it parses (`4096`, `true`, `0.9`, `{"backends": ["UCX"]}`), else it
-stays a string (`bfloat16`). Precedence, lowest first: Prorsa's platform defaults (`vllm_engine.prorsa_defaults`),
+stays a string (`bfloat16`). Precedence, lowest first: Prorsa's platform defaults (`backends/vllm_launch.prorsa_defaults`),
 the file, then each `--engine-arg` in order — the user always wins. A file is either one JSON object or one `K=V`
 per line (blank lines and `#` comments skipped).
 
