@@ -290,6 +290,9 @@ class EngineStats(Message, frozen=True, kw_only=True):
     # and grew to 70+ prompts on two of five prefill engines while three idled (docs/benchmarks.md, "The
     # allocator at high concurrency"). Clients count both before addressing a turn to it.
     addressed_waiting: NonNegInt = 0
+    # Roles a switch to which restarts the engine (their layout differs: `--role-engine-arg`), so a planner can price
+    # such a switch as an engine start, not an in-place one ([] = every switch is in place).
+    restart_roles: list[Role] = []
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

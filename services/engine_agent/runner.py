@@ -37,7 +37,14 @@ from proto import (
     TokenProgress,
 )
 from services.engine_agent import outputs
-from services.engine_agent.backend import Backend, BackendError, GenChunk, KvUnavailable, RequestAborted
+from services.engine_agent.backend import (
+    Backend,
+    BackendError,
+    EngineDead,
+    GenChunk,
+    KvUnavailable,
+    RequestAborted,
+)
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
@@ -78,6 +85,8 @@ class AgentIO(Protocol):
     ) -> None: ...
 
     def clear_bug(self, kind: str, where: str = "") -> None: ...
+
+    def engine_dead(self, exc: BaseException) -> None: ...
 
 
 class JobRunner:
@@ -160,6 +169,12 @@ class JobRunner:
                 kv += job.kv_reserved_tokens
         return HeldWork(prefill_jobs, prefill_tokens, decode_jobs, kv)
 
+    def pending_decode_context(self) -> int:
+        """Context tokens of held decodes the engine has not started yet (no output token of theirs so far)."""
+        return sum(
+            j.context_tokens for j in self.jobs.values() if j.kind != "prefill" and j.output_tokens == 0
+        )
+
     def in_flight_tokens(self) -> int:
         """Tokens still to compute for held work: prompts not prefilled yet plus output not generated yet."""
         total = 0
@@ -183,6 +198,17 @@ class JobRunner:
         job.stop = True
         await self.io.backend.abort(job.request_id)
 
+    async def hand_on_abandoned(self, job: Job) -> None:
+        """A job on a dead engine whose stream has not ended (the engine will never end it): stop waiting for it and
+        hand its work on from what it streamed so far. A job that already ended is left as it is."""
+        task = job.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if not job.outcome:
+            await self._hand_on(job)
+
     # -- running -------------------------------------------------------------------------------------------------
 
     async def _run(self, job: Job) -> None:
@@ -200,6 +226,11 @@ class JobRunner:
                 await self._stream(job, self.io.backend.generate(job.request))
         except asyncio.CancelledError:
             raise  # the agent is going away: the unacked message is redelivered
+        except EngineDead as exc:
+            # Not the request's fault and no retry here: hand it on at once (exactly after what was streamed) and
+            # let the agent leave (`EngineAgent.engine_dead`).
+            self.io.engine_dead(exc)
+            await self._hand_on(job)
         except (BackendError, *BUS_ERRORS) as exc:  # the engine failed the request, or the bus did
             self.io.metrics.count_error("engine")
             self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))

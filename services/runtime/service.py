@@ -80,6 +80,7 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started_mono = time.monotonic()  # wall: uptime is the process's, not the workload's
         self.status: str = "ok"
+        self.exit_code = 0  # what the process exits with once the service stopped (`run_service_main`)
         self.failed_tasks: dict[str, str] = {}  # task name -> its exception: reported as "unhealthy"
         self.bugs: dict[str, str] = {}  # where -> the last bug of ours a broad catch survived: "degraded"
         self.bad_input = 0  # messages rejected as bad input (undecodable, wrong type or version, invalid)
