@@ -57,7 +57,7 @@ async def test_bad_input_is_answered_counted_and_survived(nats_server: EmbeddedN
         err = proto.decode_as(reply.data, ErrorReply)
         assert err.kind == "decode" and err.subject == "prorsa.test.in"
         bad_version = proto.encode(EXAMPLES[HealthRequest]).replace(
-            b'"schema_version":1', b'"schema_version":9'
+            b'"schema_version":2', b'"schema_version":9'
         )
         err = proto.decode_as((await nc.request("prorsa.test.in", bad_version, timeout=2)).data, ErrorReply)
         assert err.kind == "schema_version" and err.field == "schema_version"

@@ -27,6 +27,13 @@ Faults it rides out:
   this client's run nonce and submission number (`<run_id>.<n>#<attempt>`), never the request id alone: a second
   run with the same trajectory ids is not silently dropped. A request id already in flight on this client is
   refused with a ValueError (its token streams could not be told apart).
+The lean wire (`lean_wire`, on by default; `proto/context_log.py`): a turn whose prompt extends the trajectory's
+previous prompt sends only the ids after it, with a reference (`prefix_turn`, `prefix_len`) that the engine holding
+the previous prompt extends in memory; before publishing, the client writes the turn's segment to the context log,
+a stream that outlives any engine, so whichever engine takes the turn (a redelivery, a migration, a decode
+handoff) can rebuild it. Segments longer than `inline_max_tokens` are not repeated inline. A trajectory's log is
+purged when it finishes. A request still larger than the server's max_payload raises `PayloadTooLarge` before
+anything is published (the tracker never sees a turn that cannot run).
 Every subject it uses is documented in proto/README.md, so a trainer in another language can do the same.
 """
 
@@ -63,6 +70,7 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
+from proto.context_log import ids_array
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -71,6 +79,7 @@ from services.runtime.bus import (
     js_publish_patiently,
 )
 from services.runtime.clock import Clock
+from services.runtime.context_log_io import purge, write_segment
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
@@ -82,6 +91,15 @@ log = get_logger("rollout_client", "sdk")
 
 class GenerateError(RuntimeError):
     """The engine rejected the request (e.g. prompt longer than the model length); retrying will not help."""
+
+
+class PayloadTooLarge(GenerateError):
+    """A turn's request exceeds the server's max_payload; publishing it would fail, so it is never sent."""
+
+
+# Segment ids sent inline up to this many (~100 kB of JSON); beyond, the engine reads them from the context log,
+# which carries them as 4-byte binary ids in parts under max_payload.
+DEFAULT_INLINE_MAX_TOKENS = 16_384
 
 
 class ClusterSaturated(RuntimeError):
@@ -112,8 +130,11 @@ class RolloutClient:
         publish_wait_s: float = 120.0,
         recover_after_s: float = 3.0,
         clock: Clock | None = None,
+        lean_wire: bool = True,
+        inline_max_tokens: int = DEFAULT_INLINE_MAX_TOKENS,
     ) -> None:
-        """`clock`: the scaled clock stamps are taken on (None: $PRORSA_TIME_SCALE's, read now)."""
+        """`clock`: the scaled clock stamps are taken on (None: $PRORSA_TIME_SCALE's, read now). `lean_wire`: send
+        each turn's new ids and log its segment (False: the whole context inline every turn, as schema 1 did)."""
         self.nc = nc
         self.clock = clock if clock is not None else Clock.from_env()
         self.js = nc.jetstream()
@@ -139,6 +160,10 @@ class RolloutClient:
         self.saturated_s = 0.0  # wall seconds turns spent backing off from a full queue
         self.replayed_chunks = 0  # chunks read back from the REPLIES stream after reconnects
         self.early_retries = 0  # streams retried after an outage left them incomplete
+        self.lean_wire = lean_wire
+        self.inline_max_tokens = inline_max_tokens
+        self.context_bytes = 0  # bytes written to the context log
+        self.request_bytes = 0  # bytes of work requests published (first attempts)
 
     @classmethod
     async def connect(
@@ -212,6 +237,45 @@ class RolloutClient:
         )
         return traj
 
+    # --- the context log (lean wire) ------------------------------------------------------------------------
+    async def log_segment(
+        self, traj_id: str, turn: int, prefix_turn: int, prefix_len: int, ids: list[int]
+    ) -> None:
+        """Write turn `turn`'s prompt segment to the context log (before the turn is published). Raises ValueError
+        for a token id outside 0..2^32-1, and the bus's errors once `publish_wait_s` has passed."""
+        self.context_bytes += await write_segment(
+            self.js,
+            self.subjects,
+            traj_id,
+            turn,
+            prefix_turn,
+            prefix_len,
+            ids_array(ids),
+            self.nc.max_payload,
+            self.run_id,
+            self.publish_wait_s,
+        )
+
+    async def purge_context(self, traj_id: str) -> None:
+        """Drop a finished trajectory's context log; a failure is only logged (the stream's max age removes it)."""
+        try:
+            await purge(self.js, self.subjects, traj_id)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("context_purge_failed", traj_id=traj_id, error=repr(exc))
+
+    def check_payload(self, request: GenerateRequest) -> int:
+        """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
+        size = len(proto.encode(request))
+        limit = self.nc.max_payload
+        if size > limit:
+            raise PayloadTooLarge(
+                f"turn {request.request_id}: the request is {size} bytes ({len(request.prompt_token_ids)} prompt ids "
+                f"inline), over the server's max_payload of {limit} bytes; send it with the lean wire "
+                "(RolloutClient(lean_wire=True), the default) or raise the server's max_payload (PRORSA_MAX_PAYLOAD "
+                "for an embedded server)"
+            )
+        return size
+
     # --- generation -----------------------------------------------------------------------------------------
     async def submit(
         self,
@@ -221,8 +285,10 @@ class RolloutClient:
     ) -> GenerateResult:
         """Send a turn and wait for its whole output; retries a request that makes no progress.
 
-        Raises GenerateError (the engine refused it), TimeoutError (no result in time), ClusterSaturated (refused
-        by a full queue for `admission_timeout_s`), ValueError (this request id is already in flight here)."""
+        Raises GenerateError (the engine refused it; PayloadTooLarge: too large to publish), TimeoutError (no result
+        in time), ClusterSaturated (refused by a full queue for `admission_timeout_s`), ValueError (this request id
+        is already in flight here)."""
+        self.request_bytes += self.check_payload(request)
         if request.request_id in self._pending:
             raise ValueError(
                 f"request {request.request_id} is already in flight on client {self.client_id}: request ids must be "
@@ -378,6 +444,10 @@ class Trajectory:
     affinity_engine: str = ""
     results: list[GenerateResult] = field(default_factory=list)
     finished: bool = False
+    # Lean wire: the last prompt logged (a copy: a caller may extend its list in place) and its turn.
+    _logged_prompt: list[int] | None = field(default=None, repr=False)
+    _logged_turn: int = 0
+    _logged_any: bool = False
 
     async def generate(
         self,
@@ -408,19 +478,16 @@ class Trajectory:
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
-        await self.client.emit(
-            TurnSubmitted,
-            traj_id=self.traj_id,
-            turn=self.turn,
-            request_id=request_id,
-            prompt_tokens=n,
-            new_tokens=max(0, n - self.context_tokens),
-        )
+        ids = list(prompt_token_ids)
+        lean = self.client.lean_wire and bool(ids)
+        prefix_turn, prefix_len = self._prefix_of(ids) if lean else (0, 0)
+        segment = ids[prefix_len:] if prefix_len else ids
+        inline = segment if not lean or len(segment) <= self.client.inline_max_tokens else []
         req = GenerateRequest(
             request_id=request_id,
             traj_id=self.traj_id,
             turn=self.turn,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=inline,
             prompt_len=n,
             sampling=params,
             reply_to=self.client.reply_subject(self.turn),
@@ -430,6 +497,23 @@ class Trajectory:
             submitted_s=self.client.clock.now_s(),
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
+            prefix_turn=prefix_turn,
+            prefix_len=prefix_len,
+            context_logged=lean,
+        )
+        self.client.check_payload(
+            req
+        )  # before anything is published: the tracker never sees a turn that cannot run
+        if lean:
+            await self.client.log_segment(self.traj_id, self.turn, prefix_turn, prefix_len, segment)
+            self._logged_prompt, self._logged_turn, self._logged_any = ids, self.turn, True
+        await self.client.emit(
+            TurnSubmitted,
+            traj_id=self.traj_id,
+            turn=self.turn,
+            request_id=request_id,
+            prompt_tokens=n,
+            new_tokens=max(0, n - self.context_tokens),
         )
         result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s)
         self.results.append(result)
@@ -437,6 +521,13 @@ class Trajectory:
         self.context_tokens = n + len(result.token_ids)
         self.turn += 1
         return result
+
+    def _prefix_of(self, ids: list[int]) -> tuple[int, int]:
+        """(prefix_turn, prefix_len) when `ids` extends the last logged prompt (the usual turn), else (0, 0)."""
+        prev = self._logged_prompt
+        if prev is None or len(ids) < len(prev) or not prev or ids[: len(prev)] != prev:
+            return 0, 0
+        return self._logged_turn, len(prev)
 
     async def tool_started(self, tool: str = "") -> None:
         await self.client.emit(ToolCallStarted, traj_id=self.traj_id, turn=max(0, self.turn - 1), tool=tool)
@@ -458,3 +549,6 @@ class Trajectory:
         await self.client.emit(
             TrajectoryFinished, traj_id=self.traj_id, status=status, reward=reward, turns=self.turn
         )
+        if self._logged_any:  # no turn will refer to its prompts any more
+            self._logged_prompt = None
+            await self.client.purge_context(self.traj_id)

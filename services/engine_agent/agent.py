@@ -24,6 +24,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from nats.js import JetStreamContext
+
 from proto import (
     EngineStats,
     Message,
@@ -34,6 +36,9 @@ from proto import (
     check_token,
 )
 from services.engine_agent.backend import Backend, BackendError
+from services.engine_agent.context_cache import DEFAULT_MAX_TOKENS as DEFAULT_CONTEXT_CACHE_TOKENS
+from services.engine_agent.context_cache import ContextCache
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.pull_capacity import PullConfig
 from services.engine_agent.puller import WorkPuller
@@ -77,6 +82,9 @@ class AgentConfig:
     max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP
     max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
     weights_root: str = ""  # weights_path must lie under it ("": only reloads from the model path)
+    context_cache_tokens: int = (
+        DEFAULT_CONTEXT_CACHE_TOKENS  # prompts held for the lean wire (context_cache.py)
+    )
 
 
 class EngineAgent(Service):
@@ -105,6 +113,9 @@ class EngineAgent(Service):
         self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
         self.policy_version = 0
         self.last_switch_s = 0.0
+        self.contexts = ContextResolver(
+            self._jetstream, self.subjects, ContextCache(self.config.context_cache_tokens)
+        )
         self.runner = JobRunner(self, self.config.chunk_interval_s)
         self.puller = WorkPuller(
             self,
@@ -132,6 +143,10 @@ class EngineAgent(Service):
     @property
     def role(self) -> str:
         return self.role_state.role
+
+    def _jetstream(self) -> JetStreamContext:
+        assert self.js is not None, "the context log is read only while connected"
+        return self.js
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -187,6 +202,13 @@ class EngineAgent(Service):
             "backend": self.backend.name,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
+            "context_cache": {
+                "trajectories": len(self.contexts.cache),
+                "tokens": self.contexts.cache.tokens,
+                "hits": self.contexts.cache.hits,
+                "misses": self.contexts.cache.misses,
+                "log_reads": self.contexts.log_reads,
+            },
         }
 
     # -- events --------------------------------------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Turns a lean request (a prefix reference plus new ids) into the whole prompt the backend runs.
+
+Where the prefix comes from, cheapest first: this engine's `ContextCache` (it served the referenced turn: nothing
+read), else the trajectory's context log on the bus (`proto/context_log.py`), which survives any engine, so a
+redelivered, migrated or handed-off turn resolves on whichever engine takes it.
+
+Errors: `ContextLogError` (a `ValueError`) when the log cannot give the prompt — a segment missing (purged,
+expired, never written) or inconsistent with the request: the turn can never run, and the runner fails it with
+that reason. Bus errors pass through: the runner redelivers the turn (the log may be back in a moment).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+
+import msgspec
+from nats.js import JetStreamContext
+
+from proto import GenerateRequest, Subjects
+from proto.context_log import ContextLogError, Segment, ids_array, rebuild
+from services.engine_agent.context_cache import ContextCache
+from services.runtime.context_log_io import read_segments
+
+
+def needs_log(req: GenerateRequest) -> bool:
+    """Whether the request's prompt is not all inline: it refers to an earlier turn, or its ids are in the log."""
+    return req.prefix_len > 0 or (req.context_logged and not req.prompt_token_ids and req.prompt_len > 0)
+
+
+class ContextResolver:
+    def __init__(self, js: Callable[[], JetStreamContext], subjects: Subjects, cache: ContextCache) -> None:
+        self._js = js  # the agent's JetStream context, looked up when needed (it exists once connected)
+        self.subjects = subjects
+        self.cache = cache
+        self.log_reads = 0  # trajectories' logs read (the prompt was not held here)
+        self.log_read_errors = 0
+
+    async def resolve(self, req: GenerateRequest) -> GenerateRequest:
+        """`req` with its whole prompt in `prompt_token_ids` and no prefix reference (unchanged when nothing is to
+        resolve). Raises ContextLogError (see the module doc)."""
+        if not needs_log(req):
+            if req.context_logged and req.prompt_token_ids:  # a later turn may refer to this one
+                self.cache.put(req.traj_id, req.turn, _ids(req, req.prompt_token_ids))
+            return req
+        prompt = self.cache.get(
+            req.traj_id, req.turn, req.prompt_len
+        )  # a redelivery to the engine that ran it
+        if prompt is None:
+            prompt = await self._build(req)
+        if len(prompt) != req.prompt_len:
+            raise ContextLogError(
+                req.traj_id,
+                req.turn,
+                f"it has {len(prompt)} tokens, the request's prompt_len is {req.prompt_len}",
+            )
+        self.cache.put(req.traj_id, req.turn, prompt)
+        return msgspec.structs.replace(
+            req, prompt_token_ids=prompt[: req.prompt_len].tolist(), prefix_turn=0, prefix_len=0
+        )
+
+    async def _build(self, req: GenerateRequest) -> array:
+        inline = bool(req.prompt_token_ids) or req.prompt_len == req.prefix_len  # else the ids are in the log
+        if req.prefix_len and req.prefix_turn >= req.turn:
+            raise ContextLogError(
+                req.traj_id, req.turn, f"prefix_turn {req.prefix_turn} is not an earlier turn"
+            )
+        if inline:
+            base = self.cache.get(req.traj_id, req.prefix_turn, req.prefix_len)
+            if base is None:
+                base = rebuild(
+                    req.traj_id, req.prefix_turn, await self._read(req), self.cache.known(req.traj_id)
+                )
+            if len(base) < req.prefix_len:
+                raise ContextLogError(
+                    req.traj_id,
+                    req.turn,
+                    f"it keeps {req.prefix_len} tokens of turn {req.prefix_turn}, whose prompt has {len(base)}",
+                )
+            prompt = base[: req.prefix_len]
+            prompt.extend(_ids(req, req.prompt_token_ids))
+            return prompt
+        return rebuild(req.traj_id, req.turn, await self._read(req), self.cache.known(req.traj_id))
+
+    async def _read(self, req: GenerateRequest) -> dict[int, Segment]:
+        self.log_reads += 1
+        try:
+            return await read_segments(self._js(), self.subjects, req.traj_id)
+        except ContextLogError:
+            self.log_read_errors += 1
+            raise
+
+
+def _ids(req: GenerateRequest, ids: Sequence[int]) -> array:
+    try:
+        return ids_array(ids)
+    except ValueError as exc:  # a peer's ids (negative, or past 32 bits): the turn can never run
+        raise ContextLogError(req.traj_id, req.turn, str(exc)) from None

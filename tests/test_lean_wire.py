@@ -1,0 +1,186 @@
+"""The lean wire against a real nats-server and simulated engines: a 256k-token context through every path (client,
+work queue, prefill engine, decode handoff, decode engine, tracker and events) under nats-server's default 1 MiB
+max_payload; a turn whose engine is gone rebuilt from the context log elsewhere; a reference no log can resolve
+failed with its reason; a request past max_payload refused before anything is published."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from functools import partial
+
+import pytest
+
+import proto
+from prorsa.client import RolloutClient
+from prorsa.client.client import PayloadTooLarge
+from proto import (
+    GenerateRequest,
+    LifecycleSnapshot,
+    RequestFailed,
+    RequestFinished,
+    SamplingParams,
+    Subjects,
+    TurnSubmitted,
+)
+from services.runtime.bus import DEFAULT_MAX_PAYLOAD
+from services.runtime.context_log_io import read_segments
+from services.trajectory_tracker.service import TrackerService
+from tests.engine_agent_support import Watcher, make_agent, publish_work, request, wait_until
+
+S = Subjects()
+MODEL_LEN = 262_144
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(151_000) for _ in range(n)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_256k_token_context_runs_disaggregated_under_the_default_payload_limit(
+    nats_server, nc
+) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    lifecycle: list[proto.Message] = []
+    await nc.subscribe(S.lifecycle, cb=partial(_append, lifecycle))
+    snapshots: list[LifecycleSnapshot] = []
+    await nc.subscribe(S.snapshot, cb=partial(_append, snapshots))
+    prefill = make_agent(nats_server.url, "pre-0", "prefill", speedup=200.0, max_model_len=MODEL_LEN)
+    decode = make_agent(nats_server.url, "dec-0", "decode", speedup=200.0, max_model_len=MODEL_LEN)
+    tracker = TrackerService(nats_server.url, snapshot_interval_s=0.1)
+    for svc in (prefill, decode, tracker):
+        await svc.start()
+    client = await RolloutClient.connect(nats_server.url)
+    try:
+        assert client.nc.max_payload == DEFAULT_MAX_PAYLOAD  # nats-server's default: 1 MiB
+        traj = await client.start_trajectory("long-0", task="coding")
+        sampling = SamplingParams(max_tokens=8)
+        # Turn 0: 240k tokens, too many to inline; turn 1 adds 2k (inline); turn 2 adds 20k (not inline).
+        prompt = tokens(240_000, 0)
+        for turn, observation in enumerate((0, 2_000, 20_000)):
+            if turn:
+                prompt = prompt + list(traj.results[-1].token_ids) + tokens(observation, turn)
+            result = await traj.generate(prompt, sampling, timeout_s=60)
+            assert (
+                len(result.token_ids) == 8
+                and result.engine_id == "dec-0"
+                and result.prefill_engine == "pre-0"
+            )
+            for agent in (prefill, decode):  # both engines ran exactly the client's prompt
+                held = agent.contexts.cache.get("long-0", turn, len(prompt))
+                assert held is not None and held.tolist() == prompt, agent.engine_id
+        assert len(prompt) == 262_016
+        # The prefill engine read the log for turn 0 and for turn 2's ids, and extended turn 0 in memory for turn
+        # 1; the decode engine likewise (it held turn 0 from its first handoff).
+        assert prefill.contexts.log_reads == 2 and decode.contexts.log_reads == 2
+        # Each work message stayed small; the ids crossed once, as 4-byte ids, into the log.
+        assert client.request_bytes < 32 * 1024
+        assert client.context_bytes == 4 * len(prompt)
+        await wait_until(lambda: len(watcher.of(RequestFinished)) == 3, timeout_s=10)
+        assert [f.prompt_tokens for f in watcher.of(RequestFinished)] == [240_000, 242_008, 262_016]
+        submitted = [e.prompt_tokens for e in lifecycle if isinstance(e, TurnSubmitted)]
+        assert submitted == [240_000, 242_008, 262_016]
+        await wait_until(lambda: any(_context_of(s, "long-0") >= 262_016 for s in snapshots), timeout_s=10)
+        await traj.finish()
+        assert await read_segments(client.js, S, "long-0") == {}  # purged with the trajectory
+    finally:
+        await client.close()
+        for svc in (prefill, decode, tracker):
+            await svc.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_turn_whose_engine_is_gone_is_rebuilt_from_the_log_on_another(nats_server) -> None:
+    first = make_agent(nats_server.url, "mix-a", "mixed", speedup=50.0)
+    await first.start()
+    client = await RolloutClient.connect(nats_server.url)
+    second = None
+    try:
+        traj = await client.start_trajectory("moved-0")
+        prompt = tokens(3_000, 1)
+        out = await traj.generate(prompt, SamplingParams(max_tokens=4), timeout_s=30)
+        assert out.engine_id == "mix-a"
+        await first.stop()  # the engine holding the prefix is gone
+        second = make_agent(nats_server.url, "mix-b", "mixed", speedup=50.0)
+        await second.start()
+        prompt = prompt + list(out.token_ids) + tokens(100, 2)
+        out = await traj.generate(prompt, SamplingParams(max_tokens=4), timeout_s=30)
+        assert out.engine_id == "mix-b"
+        assert second.contexts.log_reads == 1  # it never saw turn 0: read from the log
+        held = second.contexts.cache.get("moved-0", 1, len(prompt))
+        assert held is not None and held.tolist() == prompt
+        await traj.finish()
+    finally:
+        await client.close()
+        if second is not None:
+            await second.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_reference_no_log_resolves_fails_with_its_reason_and_the_engine_serves_on(
+    nats_server, nc
+) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agent = make_agent(nats_server.url, "mix-0", "mixed", speedup=50.0)
+    await agent.start()
+    try:
+        lost = _lean(request("lost", max_tokens=4, prompt_len=60), turn=1, prefix_turn=0, prefix_len=50)
+        await publish_work(nc, S.prefill_work_any, lost)
+        await watcher.wait_finished(["lost"])
+        final = watcher.chunks["lost"][-1]
+        assert final.finish_reason == "error"
+        assert "context log" in final.error and "turn 0 is not in the context log" in final.error
+        await wait_until(lambda: len(watcher.of(RequestFailed)) == 1)
+        assert watcher.of(RequestFailed)[0].request_id == "lost"
+        await publish_work(nc, S.prefill_work_any, request("fine", max_tokens=4, prompt_len=100))
+        await watcher.wait_finished(["fine"])
+        assert watcher.chunks["fine"][-1].finish_reason == "length"
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_request_past_max_payload_is_refused_before_anything_is_published(nats_server, nc) -> None:
+    lifecycle: list[proto.Message] = []
+    await nc.subscribe(S.lifecycle, cb=partial(_append, lifecycle))
+    client = await RolloutClient.connect(nats_server.url, lean_wire=False)  # the whole context inline
+    try:
+        traj = await client.start_trajectory("big-0")
+        with pytest.raises(
+            PayloadTooLarge, match=r"big-0:0: the request is \d+ bytes .* max_payload of 1048576"
+        ):
+            await traj.generate(tokens(200_000, 3), SamplingParams(max_tokens=4))
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert [type(e).__name__ for e in lifecycle] == [
+            "TrajectoryStarted"
+        ]  # no turn the cluster cannot run
+        info = await nc.jetstream().stream_info(S.work_stream)
+        assert info.state.messages == 0
+    finally:
+        await client.close()
+
+
+def _lean(req: GenerateRequest, turn: int, prefix_turn: int, prefix_len: int) -> GenerateRequest:
+    import msgspec
+
+    ids = list(range(req.prompt_len - prefix_len))
+    return msgspec.structs.replace(
+        req,
+        turn=turn,
+        prompt_token_ids=ids,
+        prefix_turn=prefix_turn,
+        prefix_len=prefix_len,
+        context_logged=True,
+    )
+
+
+def _context_of(snapshot: LifecycleSnapshot, traj_id: str) -> int:
+    return max((t.context_tokens for t in snapshot.trajectories if t.traj_id == traj_id), default=0)
+
+
+async def _append(into: list, msg) -> None:  # noqa: ANN001 - a nats Msg
+    into.append(proto.decode(msg.data, msg.subject))
