@@ -54,6 +54,7 @@ from nats.aio.msg import Msg
 
 import proto
 from prorsa.client.directory import EngineDirectory
+from prorsa.client.lean_wire import LeanPrompts, TurnWire
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
@@ -445,9 +446,7 @@ class Trajectory:
     results: list[GenerateResult] = field(default_factory=list)
     finished: bool = False
     # Lean wire: the last prompt logged (a copy: a caller may extend its list in place) and its turn.
-    _logged_prompt: list[int] | None = field(default=None, repr=False)
-    _logged_turn: int = 0
-    _logged_any: bool = False
+    _lean: LeanPrompts = field(default_factory=LeanPrompts, repr=False)
 
     async def generate(
         self,
@@ -480,14 +479,12 @@ class Trajectory:
         request_id = f"{self.traj_id}:{self.turn}"
         ids = list(prompt_token_ids)
         lean = self.client.lean_wire and bool(ids)
-        prefix_turn, prefix_len = self._prefix_of(ids) if lean else (0, 0)
-        segment = ids[prefix_len:] if prefix_len else ids
-        inline = segment if not lean or len(segment) <= self.client.inline_max_tokens else []
+        wire = self._lean.plan(ids, self.client.inline_max_tokens) if lean else TurnWire(0, 0, ids, ids)
         req = GenerateRequest(
             request_id=request_id,
             traj_id=self.traj_id,
             turn=self.turn,
-            prompt_token_ids=inline,
+            prompt_token_ids=wire.inline,
             prompt_len=n,
             sampling=params,
             reply_to=self.client.reply_subject(self.turn),
@@ -497,16 +494,18 @@ class Trajectory:
             submitted_s=self.client.clock.now_s(),
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
-            prefix_turn=prefix_turn,
-            prefix_len=prefix_len,
+            prefix_turn=wire.prefix_turn,
+            prefix_len=wire.prefix_len,
             context_logged=lean,
         )
         self.client.check_payload(
             req
         )  # before anything is published: the tracker never sees a turn that cannot run
         if lean:
-            await self.client.log_segment(self.traj_id, self.turn, prefix_turn, prefix_len, segment)
-            self._logged_prompt, self._logged_turn, self._logged_any = ids, self.turn, True
+            await self.client.log_segment(
+                self.traj_id, self.turn, wire.prefix_turn, wire.prefix_len, wire.segment
+            )
+            self._lean.logged_as(self.turn, ids)
         await self.client.emit(
             TurnSubmitted,
             traj_id=self.traj_id,
@@ -521,13 +520,6 @@ class Trajectory:
         self.context_tokens = n + len(result.token_ids)
         self.turn += 1
         return result
-
-    def _prefix_of(self, ids: list[int]) -> tuple[int, int]:
-        """(prefix_turn, prefix_len) when `ids` extends the last logged prompt (the usual turn), else (0, 0)."""
-        prev = self._logged_prompt
-        if prev is None or len(ids) < len(prev) or not prev or ids[: len(prev)] != prev:
-            return 0, 0
-        return self._logged_turn, len(prev)
 
     async def tool_started(self, tool: str = "") -> None:
         await self.client.emit(ToolCallStarted, traj_id=self.traj_id, turn=max(0, self.turn - 1), tool=tool)
@@ -549,6 +541,6 @@ class Trajectory:
         await self.client.emit(
             TrajectoryFinished, traj_id=self.traj_id, status=status, reward=reward, turns=self.turn
         )
-        if self._logged_any:  # no turn will refer to its prompts any more
-            self._logged_prompt = None
+        if self._lean.logged:  # no turn will refer to its prompts any more
+            self._lean = LeanPrompts()
             await self.client.purge_context(self.traj_id)
