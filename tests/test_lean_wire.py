@@ -23,6 +23,8 @@ from proto import (
     Subjects,
     TurnSubmitted,
 )
+from proto.context_log import ids_array, rebuild
+from services.runtime import context_log_io
 from services.runtime.bus import DEFAULT_MAX_PAYLOAD
 from services.runtime.context_log_io import read_segments
 from services.trajectory_tracker.service import TrackerService
@@ -84,7 +86,7 @@ async def test_a_256k_token_context_runs_disaggregated_under_the_default_payload
         assert submitted == [240_000, 242_008, 262_016]
         await wait_until(lambda: any(_context_of(s, "long-0") >= 262_016 for s in snapshots), timeout_s=10)
         await traj.finish()
-        assert await read_segments(client.js, S, "long-0") == {}  # purged with the trajectory
+        assert await read_segments(client.nc, S, "long-0") == {}  # purged with the trajectory
     finally:
         await client.close()
         for svc in (prefill, decode, tracker):
@@ -110,6 +112,37 @@ async def test_a_turn_whose_engine_is_gone_is_rebuilt_from_the_log_on_another(na
         assert out.engine_id == "mix-b"
         assert second.contexts.log_reads == 1  # it never saw turn 0: read from the log
         held = second.contexts.cache.get("moved-0", 1, len(prompt))
+        assert held is not None and held.tolist() == prompt
+        await traj.finish()
+    finally:
+        await client.close()
+        if second is not None:
+            await second.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_lean_turn_migrated_mid_stream_finishes_on_an_engine_that_never_held_it(nats_server) -> None:
+    first = make_agent(nats_server.url, "mix-a", "mixed", speedup=2.0)  # slow: the stream is still running
+    await first.start()
+    client = await RolloutClient.connect(nats_server.url)
+    second = None
+    try:
+        traj = await client.start_trajectory("migr-0")
+        prompt = tokens(2_000, 4)
+        out = await traj.generate(prompt, SamplingParams(max_tokens=2), timeout_s=30)
+        prompt = prompt + list(out.token_ids) + tokens(300, 5)
+        streamed: list[int] = []
+        turn = asyncio.create_task(
+            traj.generate(prompt, SamplingParams(max_tokens=300, ignore_eos=True), on_tokens=streamed.extend)
+        )
+        await wait_until(lambda: len(streamed) >= 5, timeout_s=20)
+        await first.stop()  # hands the running decode on: a GenerateRequest resuming after what was streamed
+        second = make_agent(nats_server.url, "mix-b", "mixed", speedup=200.0)
+        await second.start()
+        result = await asyncio.wait_for(turn, 30)
+        assert len(result.token_ids) == 300 and result.engine_id == "mix-b"
+        assert second.contexts.log_reads == 1  # the lean request's prefix came from the log
+        held = second.contexts.cache.get("migr-0", 1, len(prompt))
         assert held is not None and held.tolist() == prompt
         await traj.finish()
     finally:
@@ -162,6 +195,33 @@ async def test_a_request_past_max_payload_is_refused_before_anything_is_publishe
         assert info.state.messages == 0
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched-direct-get", "one-get-per-message"])
+async def test_the_log_reads_back_every_segment_either_way(nc, monkeypatch, batched: bool) -> None:
+    monkeypatch.setattr(context_log_io, "BATCH", 3)  # several batches for one trajectory
+    if not batched:  # as against a nats-server older than 2.11
+        monkeypatch.setattr(context_log_io, "BATCH_GET_SINCE", (99, 0))
+    js = nc.jetstream()
+    prompts = {0: tokens(1_000, 6)}
+    prompts[1] = prompts[0] + tokens(10, 7)
+    prompts[2] = tokens(700, 8)  # a rewritten history: logged whole
+    written = 0
+    for turn, (prefix_turn, prefix_len) in enumerate([(0, 0), (0, 1_000), (0, 0)]):
+        ids = ids_array(prompts[turn][prefix_len:])
+        written += await context_log_io.write_segment(
+            js, S, "log-0", turn, prefix_turn, prefix_len, ids, max_payload=2_048, writer="w", wait_s=5
+        )  # 256 ids a part: turn 0 is four messages
+    await context_log_io.write_segment(
+        js, S, "log-1", 0, 0, 0, ids_array([1]), 2_048, "w", 5
+    )  # another trajectory
+    segments = await context_log_io.read_segments(nc, S, "log-0")
+    assert written == 4 * (1_000 + 10 + 700) and sorted(segments) == [0, 1, 2]
+    for turn, prompt in prompts.items():
+        assert rebuild("log-0", turn, segments).tolist() == prompt
+    await context_log_io.purge(js, S, "log-0")
+    assert await context_log_io.read_segments(nc, S, "log-0") == {}
+    assert list(await context_log_io.read_segments(nc, S, "log-1")) == [0]
 
 
 def _lean(req: GenerateRequest, turn: int, prefix_turn: int, prefix_len: int) -> GenerateRequest:

@@ -24,7 +24,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 
 from proto import (
     EngineStats,
@@ -114,7 +114,7 @@ class EngineAgent(Service):
         self.policy_version = 0
         self.last_switch_s = 0.0
         self.contexts = ContextResolver(
-            self._jetstream, self.subjects, ContextCache(self.config.context_cache_tokens)
+            self._connection, self.subjects, ContextCache(self.config.context_cache_tokens)
         )
         self.runner = JobRunner(self, self.config.chunk_interval_s)
         self.puller = WorkPuller(
@@ -144,9 +144,9 @@ class EngineAgent(Service):
     def role(self) -> str:
         return self.role_state.role
 
-    def _jetstream(self) -> JetStreamContext:
-        assert self.js is not None, "the context log is read only while connected"
-        return self.js
+    def _connection(self) -> NATS:
+        assert self.nc is not None, "the context log is read only while connected"
+        return self.nc
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 import msgspec
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 
 from proto import GenerateRequest, Subjects
 from proto.context_log import ContextLogError, Segment, ids_array, rebuild
@@ -29,8 +29,8 @@ def needs_log(req: GenerateRequest) -> bool:
 
 
 class ContextResolver:
-    def __init__(self, js: Callable[[], JetStreamContext], subjects: Subjects, cache: ContextCache) -> None:
-        self._js = js  # the agent's JetStream context, looked up when needed (it exists once connected)
+    def __init__(self, nc: Callable[[], NATS], subjects: Subjects, cache: ContextCache) -> None:
+        self._nc = nc  # the agent's connection, looked up when needed (it exists once connected)
         self.subjects = subjects
         self.cache = cache
         self.log_reads = 0  # trajectories' logs read (the prompt was not held here)
@@ -85,7 +85,7 @@ class ContextResolver:
     async def _read(self, req: GenerateRequest) -> dict[int, Segment]:
         self.log_reads += 1
         try:
-            return await read_segments(self._js(), self.subjects, req.traj_id)
+            return await read_segments(self._nc(), self.subjects, req.traj_id)
         except ContextLogError:
             self.log_read_errors += 1
             raise

@@ -2,16 +2,23 @@
 
 Writing is the client's (before it publishes the turn, so no engine can see a reference the log does not hold);
 reading is an engine's, when it lacks the prefix a turn refers to; purging is the client's, when the trajectory
-finishes. Reads are JetStream direct gets (`next_by_subj`), one per message: no consumer to create or delete, any
-replica may answer, and the number of messages is the trajectory's turns (plus parts of very long segments).
+finishes. Reads are JetStream direct gets (`next_by_subj`): no consumer to create or delete, any replica may answer.
+On nats-server 2.11 or later one batched direct get returns every message of the trajectory in one request (the
+server streams them, then an end-of-batch status); an older server is asked once per message (its turns, plus
+the parts of very long segments), which costs a round trip each.
 """
 
 from __future__ import annotations
 
+import json
 from array import array
+from collections.abc import Mapping
+from typing import Any
 
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from proto import Subjects
 from proto.context_log import ContextLogError, Segment, SegmentReader, parts
@@ -19,6 +26,9 @@ from services.runtime.bus import js_publish_patiently
 
 # A read of more messages than this is not a trajectory's log but a runaway (a client writing in a loop).
 MAX_LOG_MESSAGES = 100_000
+BATCH = 1024  # messages a batched direct get asks for at once
+BATCH_GET_SINCE = (2, 11)  # nats-server versions that answer `batch` in a direct get
+REPLY_TIMEOUT_S = 5.0  # wall seconds for the server's next message of a batch
 
 
 async def write_segment(
@@ -45,26 +55,77 @@ async def write_segment(
     return written
 
 
-async def read_segments(js: JetStreamContext, subjects: Subjects, traj_id: str) -> dict[int, Segment]:
+async def read_segments(nc: NATS, subjects: Subjects, traj_id: str) -> dict[int, Segment]:
     """Every complete segment of `traj_id` in the log, by turn. Raises ContextLogError for a message that is not a
     segment part; bus errors (nats.errors.Error, TimeoutError) pass through: the read may be retried."""
     reader = SegmentReader(traj_id)
-    stream = subjects.context_stream
     prefix = subjects.context_of(traj_id)[:-1]  # "ns.ctx.<traj>."
-    seq = 1
-    for _ in range(MAX_LOG_MESSAGES):
-        try:
-            msg = await js.get_msg(
-                stream, seq=seq, subject=subjects.context_of(traj_id), direct=True, next=True
-            )
-        except NotFoundError:
-            return reader.segments
-        turn_s = (msg.subject or "")[len(prefix) :]
+    read = _read_batched if _batch_get(nc) else _read_one_by_one
+    count = 0
+    async for subject, headers, body in read(nc, subjects.context_stream, subjects.context_of(traj_id)):
+        count += 1
+        if count > MAX_LOG_MESSAGES:
+            raise ContextLogError(traj_id, 0, f"more than {MAX_LOG_MESSAGES} messages in its log")
+        turn_s = subject[len(prefix) :]
         if not turn_s.isdigit():
-            raise ContextLogError(traj_id, 0, f"a message on {msg.subject!r} is not on a turn's subject")
-        reader.add(int(turn_s), msg.headers, msg.data or b"")
+            raise ContextLogError(traj_id, 0, f"a message on {subject!r} is not on a turn's subject")
+        reader.add(int(turn_s), headers, body)
+    return reader.segments
+
+
+def _batch_get(nc: NATS) -> bool:
+    version = str((getattr(nc, "_server_info", None) or {}).get("version", "0"))
+    parts = [int(p) if p.isdigit() else 0 for p in version.split("-")[0].split(".")[:2]]
+    return tuple(parts) >= BATCH_GET_SINCE
+
+
+async def _read_batched(nc: NATS, stream: str, subject: str) -> Any:
+    """(subject, headers, body) of every message on `subject` in `stream`, through batched direct gets."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        seq = 1
+        while True:
+            request = json.dumps({"seq": seq, "next_by_subj": subject, "batch": BATCH}).encode()
+            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
+            pending = 0
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=REPLY_TIMEOUT_S)
+                except NatsTimeoutError:
+                    raise TimeoutError(
+                        f"direct get on {stream}: no answer within {REPLY_TIMEOUT_S} s"
+                    ) from None
+                headers: Mapping[str, str] = msg.headers or {}
+                status = headers.get("Status")
+                if status == "404":  # nothing (more) on the subject
+                    return
+                if status == "204":  # end of this batch: what is left says whether to ask again
+                    pending = int(headers.get("Nats-Num-Pending", "0") or 0)
+                    break
+                if status:
+                    raise APIError(
+                        code=int(status), description=str(headers.get("Description", "")), stream=stream
+                    )
+                seq = int(headers.get("Nats-Sequence", "0")) + 1
+                yield headers.get("Nats-Subject", ""), headers, msg.data
+            if pending <= 0:
+                return
+    finally:
+        await sub.unsubscribe()
+
+
+async def _read_one_by_one(nc: NATS, stream: str, subject: str) -> Any:
+    """The same as `_read_batched`, one direct get per message (nats-server before 2.11)."""
+    js: JetStreamContext = nc.jetstream()
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, direct=True, next=True)
+        except NotFoundError:
+            return
+        yield msg.subject or "", msg.headers or {}, msg.data or b""
         seq = int(msg.seq or 0) + 1
-    raise ContextLogError(traj_id, 0, f"more than {MAX_LOG_MESSAGES} messages in its log")
 
 
 async def purge(js: JetStreamContext, subjects: Subjects, traj_id: str) -> None:

@@ -72,10 +72,13 @@ class EmbeddedNatsServer:
         log_file: str | None = None,
         config_file: str | None = None,
         max_payload: int | None = None,
+        extra_config: str = "",
     ) -> None:
+        """`extra_config`: more server config lines (e.g. `http: 127.0.0.1:8222` for monitoring in a benchmark)."""
         self.port = port or free_port()
         self.config_file = config_file
         self.max_payload = max_payload if max_payload is not None else max_payload_bytes()
+        self.extra_config = extra_config
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="prorsa-js-")
         self.log_file = log_file
@@ -109,7 +112,7 @@ class EmbeddedNatsServer:
 
     def _write_config(self) -> str:
         """The config file the server loads: max_payload, then the given config (if any) included."""
-        text = f"max_payload: {int(self.max_payload)}\n"
+        text = f"max_payload: {int(self.max_payload)}\n{self.extra_config}\n"
         if self.config_file:
             given = Path(self.config_file)
             path = given.parent / f".{given.name}.prorsa-{self.port}.conf"
