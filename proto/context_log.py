@@ -210,7 +210,7 @@ def rebuild(
                 traj_id, turn, f"turn {t} refers to turn {seg.prefix_turn}, not an earlier turn"
             )
         t = seg.prefix_turn
-    prompt = base
+    prompt = base  # our own array: built in place (a copy per turn would cost the square of the turns)
     for seg in reversed(chain):
         if seg.prefix_len > len(prompt):
             raise ContextLogError(
@@ -218,6 +218,6 @@ def rebuild(
                 turn,
                 f"turn {seg.turn} keeps {seg.prefix_len} tokens of turn {seg.prefix_turn}, whose prompt has {len(prompt)}",
             )
-        prompt = prompt[: seg.prefix_len]
+        del prompt[seg.prefix_len :]
         prompt.extend(seg.ids)
     return prompt

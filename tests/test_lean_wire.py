@@ -86,7 +86,7 @@ async def test_a_256k_token_context_runs_disaggregated_under_the_default_payload
         assert submitted == [240_000, 242_008, 262_016]
         await wait_until(lambda: any(_context_of(s, "long-0") >= 262_016 for s in snapshots), timeout_s=10)
         await traj.finish()
-        assert await read_segments(client.nc, S, "long-0") == {}  # purged with the trajectory
+        assert (await read_segments(client.nc, S, "long-0")).segments == {}  # purged with the trajectory
     finally:
         await client.close()
         for svc in (prefill, decode, tracker):
@@ -215,13 +215,16 @@ async def test_the_log_reads_back_every_segment_either_way(nc, monkeypatch, batc
     await context_log_io.write_segment(
         js, S, "log-1", 0, 0, 0, ids_array([1]), 2_048, "w", 5
     )  # another trajectory
-    segments = await context_log_io.read_segments(nc, S, "log-0")
-    assert written == 4 * (1_000 + 10 + 700) and sorted(segments) == [0, 1, 2]
+    read = await context_log_io.read_segments(nc, S, "log-0")
+    assert written == 4 * (1_000 + 10 + 700) and sorted(read.segments) == [0, 1, 2]
     for turn, prompt in prompts.items():
-        assert rebuild("log-0", turn, segments).tolist() == prompt
+        assert rebuild("log-0", turn, read.segments).tolist() == prompt
+    # From a position on: only what came after (turn 2's three parts, after turn 1's message at sequence 5).
+    assert read.last_seq == 8
+    assert sorted((await context_log_io.read_segments(nc, S, "log-0", after_seq=5)).segments) == [2]
     await context_log_io.purge(js, S, "log-0")
-    assert await context_log_io.read_segments(nc, S, "log-0") == {}
-    assert list(await context_log_io.read_segments(nc, S, "log-1")) == [0]
+    assert (await context_log_io.read_segments(nc, S, "log-0")).segments == {}
+    assert list((await context_log_io.read_segments(nc, S, "log-1")).segments) == [0]
 
 
 def _lean(req: GenerateRequest, turn: int, prefix_turn: int, prefix_len: int) -> GenerateRequest:

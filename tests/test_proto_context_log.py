@@ -77,6 +77,7 @@ def test_a_message_that_is_not_a_segment_part_is_named(headers: dict[str, str], 
 
 
 def test_a_prompt_is_rebuilt_along_its_chain_of_prefixes() -> None:
+    # (Rebuilt in place: the arrays held by the segments and by `known` are never changed.)
     segments = {
         0: seg(0, 0, 0, [1, 2, 3]),
         1: seg(1, 0, 3, [4, 5]),  # extends turn 0
@@ -118,3 +119,15 @@ def test_the_cache_holds_one_prompt_per_trajectory_and_evicts_the_least_recent()
     assert cache.known("a") == {2: array("I", [1, 2, 3, 4, 5])}
     cache.put("d", 0, array("I", range(11)))  # larger than the whole cache: not held
     assert cache.get("d", 0, 0) is None and cache.tokens <= 10
+
+
+def test_the_cache_remembers_where_it_last_read_a_trajectorys_log_while_it_holds_its_prompt() -> None:
+    cache = ContextCache(max_tokens=8)
+    cache.read_log("a", 40)  # nothing held: nothing to start after
+    assert cache.log_seq("a") == 0
+    cache.put("a", 3, array("I", [1, 2, 3]))
+    cache.read_log("a", 40)
+    cache.read_log("a", 12)  # an older position never moves it back
+    assert cache.log_seq("a") == 40
+    cache.put("b", 0, array("I", range(8)))  # "a" is evicted, and its position with it
+    assert cache.log_seq("a") == 0

@@ -4,7 +4,9 @@ With the lean wire (`proto/context_log.py`) a turn carries only the ids after a 
 prompt. The engine that served that turn holds the prompt here and extends it without touching the bus; any other
 engine reads the trajectory's context log (`contexts.py`). One prompt is kept per trajectory (the latest turn
 seen: a trajectory's turns come one after another), as compact 32-bit arrays, least recently used evicted first
-beyond `max_tokens` in all.
+beyond `max_tokens` in all. With it, where this engine last read the trajectory's log (a stream sequence): a turn
+the engine does not hold needs only the segments after the turn it does hold, which were all written after that
+read (a trajectory's turns are written one after another), so the next read starts there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class ContextCache:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
         self._prompts: OrderedDict[str, tuple[int, array]] = OrderedDict()  # traj_id -> (turn, prompt ids)
+        self._log_seq: dict[str, int] = {}  # traj_id -> the last log sequence read for it
         self.tokens = 0
         self.hits = 0
         self.misses = 0
@@ -48,8 +51,18 @@ class ContextCache:
         self._prompts[traj_id] = (turn, prompt)
         self.tokens += len(prompt)
         while self.tokens > self.max_tokens:
-            _, (_, evicted) = self._prompts.popitem(last=False)
+            gone, (_, evicted) = self._prompts.popitem(last=False)
+            self._log_seq.pop(gone, None)
             self.tokens -= len(evicted)
+
+    def read_log(self, traj_id: str, seq: int) -> None:
+        """This engine read `traj_id`'s log up to stream sequence `seq` (kept while its prompt is held)."""
+        if traj_id in self._prompts:
+            self._log_seq[traj_id] = max(seq, self._log_seq.get(traj_id, 0))
+
+    def log_seq(self, traj_id: str) -> int:
+        """Where the next read of `traj_id`'s log may start after (0: from the start)."""
+        return self._log_seq.get(traj_id, 0) if traj_id in self._prompts else 0
 
     def known(self, traj_id: str) -> dict[int, array]:
         """What is held of `traj_id` (turn -> prompt), for `proto.context_log.rebuild` to stop early at."""

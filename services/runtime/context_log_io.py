@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -29,6 +30,12 @@ MAX_LOG_MESSAGES = 100_000
 BATCH = 1024  # messages a batched direct get asks for at once
 BATCH_GET_SINCE = (2, 11)  # nats-server versions that answer `batch` in a direct get
 REPLY_TIMEOUT_S = 5.0  # wall seconds for the server's next message of a batch
+
+
+@dataclass(frozen=True, slots=True)
+class LogRead:
+    segments: dict[int, Segment]  # complete segments by turn
+    last_seq: int  # the stream sequence of the last message read (where a later read may start after)
 
 
 async def write_segment(
@@ -55,22 +62,27 @@ async def write_segment(
     return written
 
 
-async def read_segments(nc: NATS, subjects: Subjects, traj_id: str) -> dict[int, Segment]:
-    """Every complete segment of `traj_id` in the log, by turn. Raises ContextLogError for a message that is not a
-    segment part; bus errors (nats.errors.Error, TimeoutError) pass through: the read may be retried."""
+async def read_segments(nc: NATS, subjects: Subjects, traj_id: str, after_seq: int = 0) -> LogRead:
+    """Every complete segment of `traj_id` in the log after stream sequence `after_seq` (0: all), by turn, and the
+    last sequence read. Raises ContextLogError for a message that is not a segment part; bus errors
+    (nats.errors.Error, TimeoutError) pass through: the read may be retried."""
     reader = SegmentReader(traj_id)
+    last_seq = after_seq
     prefix = subjects.context_of(traj_id)[:-1]  # "ns.ctx.<traj>."
     read = _read_batched if _batch_get(nc) else _read_one_by_one
     count = 0
-    async for subject, headers, body in read(nc, subjects.context_stream, subjects.context_of(traj_id)):
+    async for subject, headers, body in read(
+        nc, subjects.context_stream, subjects.context_of(traj_id), after_seq + 1
+    ):
         count += 1
+        last_seq = max(last_seq, int(headers.get("Nats-Sequence", "0") or 0))
         if count > MAX_LOG_MESSAGES:
             raise ContextLogError(traj_id, 0, f"more than {MAX_LOG_MESSAGES} messages in its log")
         turn_s = subject[len(prefix) :]
         if not turn_s.isdigit():
             raise ContextLogError(traj_id, 0, f"a message on {subject!r} is not on a turn's subject")
         reader.add(int(turn_s), headers, body)
-    return reader.segments
+    return LogRead(reader.segments, last_seq)
 
 
 def _batch_get(nc: NATS) -> bool:
@@ -79,12 +91,12 @@ def _batch_get(nc: NATS) -> bool:
     return tuple(parts) >= BATCH_GET_SINCE
 
 
-async def _read_batched(nc: NATS, stream: str, subject: str) -> Any:
-    """(subject, headers, body) of every message on `subject` in `stream`, through batched direct gets."""
+async def _read_batched(nc: NATS, stream: str, subject: str, seq: int) -> Any:
+    """(subject, headers, body) of every message on `subject` in `stream` from sequence `seq`, through batched
+    direct gets."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:
-        seq = 1
         while True:
             request = json.dumps({"seq": seq, "next_by_subj": subject, "batch": BATCH}).encode()
             await nc.publish(f"$JS.API.DIRECT.GET.{stream}", request, reply=inbox)
@@ -115,16 +127,15 @@ async def _read_batched(nc: NATS, stream: str, subject: str) -> Any:
         await sub.unsubscribe()
 
 
-async def _read_one_by_one(nc: NATS, stream: str, subject: str) -> Any:
+async def _read_one_by_one(nc: NATS, stream: str, subject: str, seq: int) -> Any:
     """The same as `_read_batched`, one direct get per message (nats-server before 2.11)."""
     js: JetStreamContext = nc.jetstream()
-    seq = 1
     while True:
         try:
             msg = await js.get_msg(stream, seq=seq, subject=subject, direct=True, next=True)
         except NotFoundError:
             return
-        yield msg.subject or "", msg.headers or {}, msg.data or b""
+        yield msg.subject or "", {**(msg.headers or {}), "Nats-Sequence": str(msg.seq or 0)}, msg.data or b""
         seq = int(msg.seq or 0) + 1
 
 
