@@ -410,9 +410,13 @@ export class RolloutClient {
     }
   }
 
-  /** Drop a finished trajectory's context log. */
+  /** Drop a finished trajectory's context log; a failure is only reported (the stream's max age removes it). */
   async purgeContext(trajId) {
-    await this.jsm.streams.purge(this.subjects.contextStream, { filter: this.subjects.contextOf(trajId) });
+    try {
+      await this.jsm.streams.purge(this.subjects.contextStream, { filter: this.subjects.contextOf(trajId) });
+    } catch (err) {
+      console.warn(`prorsa: could not purge the context log of ${trajId}: ${err.message}`);
+    }
   }
 
   async publishRequest(req) {
