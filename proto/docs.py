@@ -104,7 +104,8 @@ def render() -> str:
         "`sim_output_tokens` and `sim_cacheable_tokens` at 0 (they are for simulated engines replaying a recorded "
         "workload). The simplest client sends the whole context in `prompt_token_ids` (`prefix_len` 0, "
         "`context_logged` false) every turn; that costs bytes that grow with the square of the trajectory's length, "
-        "and a context past the server's max_payload (1 MiB by default: ~160k tokens of JSON) cannot be sent at all. "
+        "and a context past the server's max_payload (1 MiB by default: ~160k tokens of JSON) cannot be sent at all "
+        "(nor a decode handoff that carries it: a prefill engine fails such a turn at once, with an `error` saying so). "
         "Publish with `Nats-Msg-Id: <request_id>#<attempt>`. Subscribe to "
         "`reply_to` before publishing: chunks are core NATS, and one sent before the subscription is lost.",
         "- **The lean wire** (what the Python SDK does; see *The context log* below). Before publishing turn t, write "

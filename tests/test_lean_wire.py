@@ -9,6 +9,7 @@ import asyncio
 import random
 from functools import partial
 
+import nats
 import pytest
 
 import proto
@@ -25,8 +26,9 @@ from proto import (
 )
 from proto.context_log import ids_array, rebuild
 from services.runtime import context_log_io
-from services.runtime.bus import DEFAULT_MAX_PAYLOAD
+from services.runtime.bus import DEFAULT_MAX_PAYLOAD, ensure_streams
 from services.runtime.context_log_io import read_segments
+from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker.service import TrackerService
 from tests.engine_agent_support import Watcher, make_agent, publish_work, request, wait_until
 
@@ -225,6 +227,43 @@ async def test_the_log_reads_back_every_segment_either_way(nc, monkeypatch, batc
     await context_log_io.purge(js, S, "log-0")
     assert (await context_log_io.read_segments(nc, S, "log-0")).segments == {}
     assert list((await context_log_io.read_segments(nc, S, "log-1")).segments) == [0]
+
+
+@pytest.mark.timeout(60)
+async def test_a_handoff_over_max_payload_fails_its_turn_at_once_with_the_reason() -> None:
+    # A whole-context request just under a 64 KiB max_payload: its decode handoff (the request plus the KV's
+    # whereabouts) is not, so the prefill engine could never publish it.
+    with EmbeddedNatsServer(max_payload=65_536) as server:
+        conn = await nats.connect(server.url)
+        await ensure_streams(conn.jetstream(), S)
+        watcher = Watcher()
+        await watcher.attach(conn)
+        prefill = make_agent(server.url, "pre-0", "prefill", speedup=50.0)
+        await prefill.start()
+        try:
+            n = 9_000
+            while len(proto.encode(_whole("big", n))) < 65_536 - 200:
+                n += 10
+            assert len(proto.encode(_whole("big", n))) <= 65_536
+            await publish_work(conn, S.prefill_work_any, _whole("big", n))
+            await watcher.wait_finished(["big"])
+            final = watcher.chunks["big"][-1]
+            assert (
+                final.finish_reason == "error" and "exceeds the server's max_payload of 65536" in final.error
+            )
+            await wait_until(lambda: len(watcher.of(RequestFailed)) == 1)
+            assert prefill.runner.prefill_new_tokens == n  # prefilled once: no redelivery, no retry
+        finally:
+            await prefill.stop()
+            await conn.close()
+
+
+def _whole(rid: str, n: int) -> GenerateRequest:
+    import msgspec
+
+    return msgspec.structs.replace(
+        request(rid, max_tokens=4, prompt_len=n), prompt_token_ids=[100_000 + i for i in range(n)]
+    )
 
 
 def _lean(req: GenerateRequest, turn: int, prefix_turn: int, prefix_len: int) -> GenerateRequest:

@@ -44,7 +44,7 @@ from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
-from services.runtime.bus import BUS_ERRORS
+from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
 DEFAULT_S_PER_TOKEN = 0.05  # inter-token time (scaled seconds) assumed before any has been observed
@@ -206,6 +206,10 @@ class JobRunner:
                 await self._stream(job, self.io.backend.generate(job.backend_request))
         except asyncio.CancelledError:
             raise  # the agent is going away: the unacked message is redelivered
+        except MessageTooLarge as exc:  # its handoff or migration can never be published: no retry helps
+            self.io.log.warning("work_too_large", request_id=job.request_id, kind=job.kind, error=str(exc))
+            await self._failed(job.request, job.msg, str(exc), job.next_index, kind="payload_too_large")
+            job.outcome = "failed"
         except (BackendError, *BUS_ERRORS) as exc:  # the engine failed the request, or the bus did
             self.io.metrics.count_error("engine")
             self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))

@@ -106,6 +106,20 @@ def context_max_age_s() -> float:
     return _env_number("PRORSA_CONTEXT_MAX_AGE_S", DEFAULT_CONTEXT_MAX_AGE_S, 60.0, 365 * 86400.0)
 
 
+class MessageTooLarge(ValueError):
+    """A message over the server's max_payload: publishing it would only fail, so it is never sent."""
+
+
+def check_size(subject: str, data: bytes, max_payload: int) -> bytes:
+    """`data`, unless it exceeds `max_payload` (the server's, as announced). Raises MessageTooLarge naming both."""
+    if len(data) > max_payload:
+        raise MessageTooLarge(
+            f"a message of {len(data)} bytes for {subject} exceeds the server's max_payload of {max_payload} bytes "
+            "(a whole context sent without the lean wire? PRORSA_MAX_PAYLOAD and the server's config raise it)"
+        )
+    return data
+
+
 def is_queue_full(exc: BaseException) -> bool:
     """True for the server's refusal of a publish into a full work queue (see the module doc)."""
     return isinstance(exc, APIError) and exc.err_code == QUEUE_FULL_ERR_CODE
