@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from functools import partial
 
 import nats
@@ -31,6 +32,7 @@ from services.runtime.context_log_io import read_segments
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.trajectory_tracker.service import TrackerService
 from tests.engine_agent_support import Watcher, make_agent, publish_work, request, wait_until
+from tests.test_engine_agent_crash import ACK_WAIT_S, spawn_engine
 
 S = Subjects()
 MODEL_LEN = 262_144
@@ -151,6 +153,45 @@ async def test_a_lean_turn_migrated_mid_stream_finishes_on_an_engine_that_never_
         await client.close()
         if second is not None:
             await second.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_lean_turn_of_a_killed_engine_is_redelivered_and_rebuilt_on_another(nats_server, nc) -> None:
+    seen: list[proto.Message] = []
+    await nc.subscribe(S.engine_stats("crash-a"), cb=partial(_append, seen))
+    proc = spawn_engine(nats_server.url, "crash-a")  # SIGKILL: no ack, no hand-off
+    client = await RolloutClient.connect(nats_server.url)
+    survivor = make_agent(nats_server.url, "crash-b", "mixed", speedup=50.0, ack_wait_s=ACK_WAIT_S)
+    try:
+        await wait_until(lambda: bool(seen), timeout_s=20)
+        traj = await client.start_trajectory("crash-0")
+        prompt = tokens(2_000, 9)
+        out = await traj.generate(prompt, SamplingParams(max_tokens=2), timeout_s=30)
+        assert out.engine_id == "crash-a"
+        # The survivor watches crash-a from now on, so it moves crash-a's addressed turn once crash-a is silent
+        # (rescue.py), as any live peer would; the turn goes to crash-a, which holds its prefix.
+        await survivor.start()
+        await wait_until(lambda: "crash-a" in survivor.rescue.watch.last_seen, timeout_s=10)
+        prompt = prompt + list(out.token_ids) + tokens(200, 10)
+        streamed: list[int] = []
+        turn = asyncio.create_task(
+            traj.generate(prompt, SamplingParams(max_tokens=400, ignore_eos=True), on_tokens=streamed.extend)
+        )
+        await wait_until(lambda: len(streamed) >= 10, timeout_s=20)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=5)
+        result = await asyncio.wait_for(turn, 40)  # redelivered after ack_wait, restarted from chunk 0
+        assert len(result.token_ids) == 400 and result.engine_id == "crash-b" and result.restarts == 1
+        assert survivor.contexts.log_reads == 1
+        held = survivor.contexts.cache.get("crash-0", 1, len(prompt))
+        assert held is not None and held.tolist() == prompt
+        await traj.finish()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await client.close()
+        await survivor.stop()
 
 
 @pytest.mark.timeout(60)
