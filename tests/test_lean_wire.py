@@ -10,6 +10,7 @@ import random
 import signal
 from functools import partial
 
+import msgspec
 import nats
 import pytest
 
@@ -219,6 +220,24 @@ async def test_a_reference_no_log_resolves_fails_with_its_reason_and_the_engine_
 
 
 @pytest.mark.timeout(60)
+async def test_junk_in_a_trajectorys_log_fails_its_turn_with_the_reason(nats_server, nc) -> None:
+    watcher = Watcher()
+    await watcher.attach(nc)
+    agent = make_agent(nats_server.url, "mix-0", "mixed", speedup=50.0)
+    await agent.start()
+    try:
+        await nc.jetstream().publish(S.context("junk-0", 0), b"not a segment")  # no part headers
+        req = _lean(request("junk", max_tokens=4, prompt_len=60), turn=1, prefix_turn=0, prefix_len=50)
+        await publish_work(nc, S.prefill_work_any, msgspec.structs.replace(req, traj_id="junk-0"))
+        await watcher.wait_finished(["junk"])
+        final = watcher.chunks["junk"][-1]
+        assert final.finish_reason == "error" and "junk-0" in final.error and "Prorsa-Part" in final.error
+        assert agent.contexts.log_read_errors == 1
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_a_request_past_max_payload_is_refused_before_anything_is_published(nats_server, nc) -> None:
     lifecycle: list[proto.Message] = []
     await nc.subscribe(S.lifecycle, cb=partial(_append, lifecycle))
@@ -300,16 +319,12 @@ async def test_a_handoff_over_max_payload_fails_its_turn_at_once_with_the_reason
 
 
 def _whole(rid: str, n: int) -> GenerateRequest:
-    import msgspec
-
     return msgspec.structs.replace(
         request(rid, max_tokens=4, prompt_len=n), prompt_token_ids=[100_000 + i for i in range(n)]
     )
 
 
 def _lean(req: GenerateRequest, turn: int, prefix_turn: int, prefix_len: int) -> GenerateRequest:
-    import msgspec
-
     ids = list(range(req.prompt_len - prefix_len))
     return msgspec.structs.replace(
         req,
