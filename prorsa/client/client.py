@@ -54,7 +54,7 @@ from nats.aio.msg import Msg
 
 import proto
 from prorsa.client.directory import EngineDirectory
-from prorsa.client.lean_wire import LeanPrompts, TurnWire
+from prorsa.client.lean_wire import ContextLogWriter, LeanPrompts, TurnWire
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
@@ -71,7 +71,6 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
-from proto.context_log import ids_array
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -80,7 +79,6 @@ from services.runtime.bus import (
     js_publish_patiently,
 )
 from services.runtime.clock import Clock
-from services.runtime.context_log_io import purge, write_segment
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
@@ -163,7 +161,7 @@ class RolloutClient:
         self.early_retries = 0  # streams retried after an outage left them incomplete
         self.lean_wire = lean_wire
         self.inline_max_tokens = inline_max_tokens
-        self.context_bytes = 0  # bytes written to the context log
+        self.context_log = ContextLogWriter(self.js, self.subjects, self.run_id, publish_wait_s)
         self.request_bytes = 0  # bytes of work requests published (first attempts)
 
     @classmethod
@@ -238,32 +236,7 @@ class RolloutClient:
         )
         return traj
 
-    # --- the context log (lean wire) ------------------------------------------------------------------------
-    async def log_segment(
-        self, traj_id: str, turn: int, prefix_turn: int, prefix_len: int, ids: list[int]
-    ) -> None:
-        """Write turn `turn`'s prompt segment to the context log (before the turn is published). Raises ValueError
-        for a token id outside 0..2^32-1, and the bus's errors once `publish_wait_s` has passed."""
-        self.context_bytes += await write_segment(
-            self.js,
-            self.subjects,
-            traj_id,
-            turn,
-            prefix_turn,
-            prefix_len,
-            ids_array(ids),
-            self.nc.max_payload,
-            self.run_id,
-            self.publish_wait_s,
-        )
-
-    async def purge_context(self, traj_id: str) -> None:
-        """Drop a finished trajectory's context log; a failure is only logged (the stream's max age removes it)."""
-        try:
-            await purge(self.js, self.subjects, traj_id)
-        except (nats.errors.Error, TimeoutError) as exc:
-            log.warning("context_purge_failed", traj_id=traj_id, error=repr(exc))
-
+    # --- the lean wire ---------------------------------------------------------------------------------------
     def check_payload(self, request: GenerateRequest) -> int:
         """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
         size = len(proto.encode(request))
@@ -422,6 +395,11 @@ class RolloutClient:
         except ProtoError:
             self.bad_messages += 1
 
+    @property
+    def context_bytes(self) -> int:
+        """Bytes this client wrote to the context log."""
+        return self.context_log.bytes
+
     def reply_subject(self, n: int) -> str:
         return f"{self._reply_prefix}.{n}"
 
@@ -502,9 +480,7 @@ class Trajectory:
             req
         )  # before anything is published: the tracker never sees a turn that cannot run
         if lean:
-            await self.client.log_segment(
-                self.traj_id, self.turn, wire.prefix_turn, wire.prefix_len, wire.segment
-            )
+            await self.client.context_log.write(self.traj_id, self.turn, wire, self.client.nc.max_payload)
             self._lean.logged_as(self.turn, ids)
         await self.client.emit(
             TurnSubmitted,
@@ -543,4 +519,4 @@ class Trajectory:
         )
         if self._lean.logged:  # no turn will refer to its prompts any more
             self._lean = LeanPrompts()
-            await self.client.purge_context(self.traj_id)
+            await self.client.context_log.purge(self.traj_id)

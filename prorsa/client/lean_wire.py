@@ -1,4 +1,5 @@
-"""What a trajectory's next turn puts on the wire (pure): its prefix reference, its segment and the ids inline.
+"""What a trajectory's next turn puts on the wire: its prefix reference, its segment and the ids inline (pure,
+`LeanPrompts`), and the client's writes to the context log (`ContextLogWriter`, the I/O).
 
 The rule (proto/README.md, "The lean wire"): a prompt that starts with the whole prompt of the last turn logged
 refers to that turn and logs only the ids after it; any other prompt (the first, or one that rewrote its history)
@@ -10,6 +11,16 @@ prompt is kept as a copy: a caller may extend its own list in place for the next
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import nats
+from nats.js import JetStreamContext
+
+from proto import Subjects
+from proto.context_log import ids_array
+from services.runtime.context_log_io import purge, write_segment
+from services.runtime.logging import get_logger
+
+log = get_logger("rollout_client", "sdk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +52,30 @@ class LeanPrompts:
     def logged_as(self, turn: int, ids: list[int]) -> None:
         """Turn `turn`'s prompt `ids` (the caller's copy, not to be mutated) is in the log."""
         self.last, self.last_turn, self.logged = ids, turn, True
+
+
+class ContextLogWriter:
+    """A client's writes to the context log: each turn's segment before the turn, a finished trajectory's purge."""
+
+    def __init__(self, js: JetStreamContext, subjects: Subjects, writer: str, wait_s: float) -> None:
+        self.js = js
+        self.subjects = subjects
+        self.writer = writer  # unique to this client: part of the message ids (see `write_segment`)
+        self.wait_s = wait_s  # wall seconds a write waits out a server restart
+        self.bytes = 0  # written so far
+
+    async def write(self, traj_id: str, turn: int, wire: TurnWire, max_payload: int) -> None:
+        """Store turn `turn`'s segment (JetStream-acked). Raises ValueError for a token id outside 0..2^32-1, and the
+        bus's errors once `wait_s` has passed."""
+        ids = ids_array(wire.segment)
+        self.bytes += await write_segment(
+            self.js, self.subjects, traj_id, turn, wire.prefix_turn, wire.prefix_len, ids, max_payload,
+            self.writer, self.wait_s,
+        )  # fmt: skip
+
+    async def purge(self, traj_id: str) -> None:
+        """Drop a finished trajectory's segments; a failure is only logged (the stream's max age removes them)."""
+        try:
+            await purge(self.js, self.subjects, traj_id)
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("context_purge_failed", traj_id=traj_id, error=repr(exc))
