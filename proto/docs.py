@@ -57,6 +57,11 @@ def render() -> str:
         "fields are ignored, so new fields (always with defaults, always last) do not break older readers. Times "
         "`ts_s` are Unix seconds; `*_s` fields are durations; `*_tokens` are non-negative token counts.",
         "",
+        "Schema 2 (from 1): a `generate_request`'s `prompt_token_ids` are the ids after its first `prefix_len` "
+        "tokens, which come from an earlier turn's prompt (`prefix_turn`), resolved through the context log (below); "
+        "a client that sets neither sends the whole context as before. A version-1 reader would take a lean request "
+        "for the whole context, hence the new version: each side refuses the other's messages by name.",
+        "",
         "## Subjects",
         "",
         "```",
