@@ -134,6 +134,12 @@ class EmbeddedNatsServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if (
+            self.config_file
+        ):  # the wrapper written beside the given config (`_write_config`); rewritten by start()
+            Path(self.config_file).with_name(
+                f".{Path(self.config_file).name}.prorsa-{self.port}.conf"
+            ).unlink(missing_ok=True)
         if remove_store and self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
