@@ -24,6 +24,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
 from proto import (
     EngineStats,
     Message,
@@ -34,6 +36,9 @@ from proto import (
     check_token,
 )
 from services.engine_agent.backend import Backend, BackendError, EngineDead
+from services.engine_agent.context_cache import DEFAULT_MAX_TOKENS as DEFAULT_CONTEXT_CACHE_TOKENS
+from services.engine_agent.context_cache import ContextCache
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.pull_capacity import PullConfig
 from services.engine_agent.puller import WorkPuller
@@ -88,6 +93,9 @@ class AgentConfig:
     # exits (None: no limit), and how often the liveness probe asks it whether it still serves.
     start_timeout_s: float | None = None
     liveness_interval_s: float = 2.0
+    context_cache_tokens: int = (
+        DEFAULT_CONTEXT_CACHE_TOKENS  # prompts held for the lean wire (context_cache.py)
+    )
 
 
 class EngineAgent(Service):
@@ -116,6 +124,9 @@ class EngineAgent(Service):
         self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
         self.policy_version = 0
         self.last_switch_s = 0.0
+        self.contexts = ContextResolver(
+            self._connection, self.subjects, ContextCache(self.config.context_cache_tokens)
+        )
         self.runner = JobRunner(self, self.config.chunk_interval_s)
         self.puller = WorkPuller(
             self,
@@ -145,6 +156,10 @@ class EngineAgent(Service):
     @property
     def role(self) -> str:
         return self.role_state.role
+
+    def _connection(self) -> NATS:
+        assert self.nc is not None, "the context log is read only while connected"
+        return self.nc
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -248,6 +263,13 @@ class EngineAgent(Service):
             "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
+            "context_cache": {
+                "trajectories": len(self.contexts.cache),
+                "tokens": self.contexts.cache.tokens,
+                "hits": self.contexts.cache.hits,
+                "misses": self.contexts.cache.misses,
+                "log_reads": self.contexts.log_reads,
+            },
         }
 
     # -- events --------------------------------------------------------------------------------------------------

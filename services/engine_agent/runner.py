@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import msgspec
 from nats.errors import Error as NatsError
 
 from proto import (
@@ -36,6 +37,7 @@ from proto import (
     Subjects,
     TokenProgress,
 )
+from proto.context_log import ContextLogError
 from services.engine_agent import outputs
 from services.engine_agent.backend import (
     Backend,
@@ -45,10 +47,11 @@ from services.engine_agent.backend import (
     KvUnavailable,
     RequestAborted,
 )
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
-from services.runtime.bus import BUS_ERRORS
+from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
 DEFAULT_S_PER_TOKEN = 0.05  # inter-token time (scaled seconds) assumed before any has been observed
@@ -60,6 +63,7 @@ class AgentIO(Protocol):
     engine_id: str
     subjects: Subjects
     backend: Backend
+    contexts: ContextResolver
     clock: Clock
     policy_version: int
     log: Any
@@ -215,6 +219,8 @@ class JobRunner:
         try:
             if job.stop:  # stopped before it started: hand it on untouched
                 await self._hand_on(job)
+            elif not await self._resolve(job):
+                pass  # its prompt cannot be rebuilt: failed for good, the client told why
             elif job.remaining_tokens == 0 and job.kind != "decode":
                 await self._send(job, [], None, final=True, reason="length")
                 await self._finished(job, "length")
@@ -223,7 +229,7 @@ class JobRunner:
             elif job.kind == "decode":
                 await self._run_decode(job)
             else:
-                await self._stream(job, self.io.backend.generate(job.request))
+                await self._stream(job, self.io.backend.generate(job.backend_request))
         except asyncio.CancelledError:
             raise  # the agent is going away: the unacked message is redelivered
         except EngineDead as exc:
@@ -231,6 +237,10 @@ class JobRunner:
             # let the agent leave (`EngineAgent.engine_dead`).
             self.io.engine_dead(exc)
             await self._hand_on(job)
+        except MessageTooLarge as exc:  # its handoff or migration can never be published: no retry helps
+            self.io.log.warning("work_too_large", request_id=job.request_id, kind=job.kind, error=str(exc))
+            await self._failed(job.request, job.msg, str(exc), job.next_index, kind="payload_too_large")
+            job.outcome = "failed"
         except (BackendError, *BUS_ERRORS) as exc:  # the engine failed the request, or the bus did
             self.io.metrics.count_error("engine")
             self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
@@ -248,11 +258,23 @@ class JobRunner:
                 del self.jobs[job.request_id]
             self.freed.set()
 
+    async def _resolve(self, job: Job) -> bool:
+        """Rebuild the job's whole prompt from a lean request (`contexts.py`); False: it never can, and the job was
+        failed with the reason. Bus errors propagate to `_run`, which redelivers the work."""
+        try:
+            job.resolved = await self.io.contexts.resolve(job.request)
+        except ContextLogError as exc:
+            self.io.log.warning("context_unresolvable", request_id=job.request_id, error=str(exc))
+            await self._failed(job.request, job.msg, str(exc), job.next_index, kind="unresolvable_context")
+            job.outcome = "failed"
+            return False
+        return True
+
     async def _run_prefill(self, job: Job) -> None:
         req = job.request
         job.phase = "prefill"
         try:
-            res = await self.io.backend.prefill(req)
+            res = await self.io.backend.prefill(job.backend_request)
         except RequestAborted:
             if not job.stop:
                 raise
@@ -288,7 +310,9 @@ class JobRunner:
         if final:
             await self._finished(job, "length")
             return
-        await self._stream(job, self.io.backend.decode(h))
+        await self._stream(
+            job, self.io.backend.decode(msgspec.structs.replace(h, request=job.backend_request))
+        )
 
     async def _stream(self, job: Job, stream: AsyncIterator[GenChunk]) -> None:
         """Relay a backend stream to the client until it finishes, or until the job is asked to stop."""
