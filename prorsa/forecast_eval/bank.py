@@ -61,6 +61,9 @@ class ForecastBank:
         # Wall seconds per core: refitting, and observing snapshots + forecasting.
         self.refit_s: dict[str, float] = dict.fromkeys(self.cores, 0.0)
         self.forecast_s: dict[str, float] = dict.fromkeys(self.cores, 0.0)
+        # The demand bound every forecast was kept within, per tick: (horizon, scored metric) (services/forecaster/
+        # bounds.py; every core learns it from the same events, so the first core's stands for all)
+        self.bounds: list[np.ndarray] = []
 
     def observe_event(self, event: Any, now: float) -> None:
         for core in self.cores.values():
@@ -79,6 +82,13 @@ class ForecastBank:
                 [[[q.q10, q.q50, q.q90] for q in (hf.prefill_tokens, hf.decode_tokens)] for hf in fc.horizons]
             )
             self.forecast_s[name] += time.perf_counter() - t0
+        first = next(iter(self.cores.values()))
+        bound = first.predictor.bound(now, self.horizons_s)
+        self.bounds.append(
+            np.full((len(self.horizons_s), len(SCORED_METRICS)), np.inf)
+            if bound is None
+            else np.array([[bound[m][j] for m in SCORED_METRICS] for j in range(len(self.horizons_s))])
+        )
         for name, core_name in self._members.items():
             ens = self.cores[core_name].predictor
             assert isinstance(ens, EnsemblePredictor)

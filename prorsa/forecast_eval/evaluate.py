@@ -59,6 +59,8 @@ class EvalResult:
     valid: np.ndarray  # (T, horizons): the horizon ends within the run
     scored_until_s: float
     scores: dict[str, list[dict[str, float]]]  # name -> one row per horizon (scoring.score)
+    # (T, horizons, 2 metrics): the physically possible demand every forecast was kept within
+    bound: np.ndarray
     tracker: TrackerCore
     bridge: SimBridge
     bad_rejections: dict[str, int]  # tracker rejections other than duplicate/stale/late (should be none)
@@ -78,6 +80,18 @@ class EvalResult:
                     den = rows[ref][f"{m}_wape"] if ref in rows else math.nan
                     row[f"{m}_wape_vs_{ref}"] = row[f"{m}_wape"] / den if den and den == den else math.nan
         return rows
+
+    def bound_exceeded(self) -> dict[str, float]:
+        """How often the realised demand exceeded the demand bound (services/forecaster/bounds.py), over the scored
+        (tick, horizon) pairs, per scored metric: the share, and the largest realised / bound."""
+        out: dict[str, float] = {}
+        for i, m in enumerate(SCORED_METRICS):
+            a, b = self.actual[..., i][self.valid], self.bound[..., i][self.valid]
+            name = m.removesuffix("_tokens")
+            out[f"{name}_share"] = float(np.mean(a > b * (1 + 1e-9))) if a.size else math.nan
+            ratio = a / np.maximum(b, 1e-9)
+            out[f"{name}_max_ratio"] = float(ratio.max()) if a.size else math.nan
+        return out
 
     def to_json(self, horizon_s: float) -> dict[str, Any]:
         m = self.sim.sim.metrics
@@ -103,6 +117,7 @@ class EvalResult:
                 "prefill_tokens": self.bridge.ledger.prefill_total_tokens,
                 "decode_tokens": self.bridge.ledger.decode_total_tokens,
                 "refits": self.refits,
+                "bound_exceeded": self.bound_exceeded(),
                 **self.extra,
                 "wall_s": self.wall_s,
             },
@@ -227,6 +242,7 @@ def run_forecast_eval(
         valid=valid,
         scored_until_s=until,
         scores=scores,
+        bound=np.array(bank.bounds),
         tracker=ev.tracker,
         bridge=ev.bridge,
         bad_rejections=ev.bad_rejections,

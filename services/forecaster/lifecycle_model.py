@@ -19,10 +19,12 @@ approximation; the next turn's own outcome is exact per trajectory, see lifecycl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.forecaster.distributions import TaskSamples
+if TYPE_CHECKING:  # a type only: distributions imports bounds, which reads PRIORS from here
+    from services.forecaster.distributions import TaskSamples
 
 # Stand-ins before anything is observed: a 1 s gap always followed by a turn, 256 output and new tokens per
 # turn, no prefill or queue wait, 30 tokens/s per sequence. Where they come from: round numbers of the right
