@@ -30,6 +30,7 @@ from prorsa.forecast_eval.scoring import score
 from prorsa.forecast_eval.split import split_workload
 from prorsa.sim.runner import SimConfig, SimResult, run_simulation
 from services.forecaster.base import Predictor
+from services.forecaster.lifecycle_model import PriorSamples
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore
 
 # Interpolated progress is stamped this much before the tick, so the forecaster's series puts it in the window
@@ -46,6 +47,9 @@ class EvalOptions:
     hints: str = "started"  # see hints.py: none | started | schedule
     seed: int = 0  # forecaster seed (the lifecycle model's Monte Carlo)
     split: str = "all"  # the half of the workload's instances evaluated (split.py): all | dev | report
+    # what `lifecycle` (standalone and in the ensemble) starts a new workload from (None: the round PRIORS);
+    # loto.py passes the other traces' samples
+    prior: PriorSamples | None = None
 
 
 @dataclass
@@ -106,6 +110,7 @@ class EvalResult:
                 "config": self.config.echo(),
                 "split": self.options.split,
                 "hints": self.options.hints,
+                "prior": "other traces" if self.options.prior is not None else "round stand-ins",
                 "window_s": self.options.window_s,
                 "refit_interval_s": self.options.refit_interval_s,
                 "end_s": self.sim.end_s,
@@ -215,7 +220,13 @@ def run_forecast_eval(
         workload, opts.hints, sync=config.mode == "sync", training_s=config.training_s, steps=config.steps
     )
     bank = ForecastBank(
-        opts.predictors, opts.horizons_s, opts.window_s, opts.refit_interval_s, opts.seed, extra_predictors
+        opts.predictors,
+        opts.horizons_s,
+        opts.window_s,
+        opts.refit_interval_s,
+        opts.seed,
+        extra_predictors,
+        prior=opts.prior,
     )
     ev = _Evaluator(bank, schedule, opts.window_s, on_tick)
     t0 = time.perf_counter()

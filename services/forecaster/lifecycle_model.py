@@ -29,8 +29,31 @@ if TYPE_CHECKING:  # a type only: distributions imports bounds, which reads PRIO
 # Stand-ins before anything is observed: a 1 s gap always followed by a turn, 256 output and new tokens per
 # turn, no prefill or queue wait, 30 tokens/s per sequence. Where they come from: round numbers of the right
 # order for an LLM agent turn, fitted to no trace; each is replaced by the run's own samples as soon as one
-# exists (a kind with no sample at all is the only place a prior is read).
+# exists (a kind with no sample at all is the only place a prior is read), unless a `PriorSamples` is given.
 PRIORS = {"gap_s": 1.0, "output_tokens": 256.0, "new_tokens": 256.0, "decode_rate_tokens_per_s": 30.0}
+# Weight of a `PriorSamples` distribution, in observations: it enters each kind's samples as this many
+# pseudo-observations (its quantiles), so after n own observations it weighs PRIOR_WEIGHT / (n + PRIOR_WEIGHT).
+PRIOR_WEIGHT = 8
+
+
+@dataclass(frozen=True)
+class PriorSamples:
+    """What a new workload is expected to look like before its own first trajectories say: per kind, samples
+    from other workloads (`prorsa.forecast_eval.loto` pools the other shipped traces, the left-out one never).
+    They adapt online: each kind's prior enters as PRIOR_WEIGHT pseudo-observations beside the run's own, so
+    the first trajectories of the new workload outweigh it within a few dozen observations."""
+
+    gap_s: np.ndarray  # tool latencies (s), gaps that end in a turn
+    output_tokens: np.ndarray  # output tokens per turn
+    new_tokens: np.ndarray  # new prompt tokens per later turn
+
+    def pseudo(self, kind: str) -> np.ndarray:
+        """PRIOR_WEIGHT evenly spaced quantiles of the kind's samples (empty without samples)."""
+        x = np.asarray(getattr(self, kind), dtype=np.float64)
+        x = x[np.isfinite(x) & (x >= 0.0)]
+        if not len(x):
+            return np.zeros(0)
+        return np.quantile(x, (np.arange(PRIOR_WEIGHT) + 0.5) / PRIOR_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -61,13 +84,24 @@ class Inputs:
         return float(1.0 - self.gap_is_turn.mean()) if len(self.gap_is_turn) else 0.0
 
 
-def make_inputs(s: TaskSamples | None, rate: float) -> Inputs:
+def make_inputs(s: TaskSamples | None, rate: float, prior: PriorSamples | None = None) -> Inputs:
+    """One task's model inputs: its samples, with `prior`'s pseudo-observations beside them (`PriorSamples`),
+    else the round `PRIORS` where a kind has no sample."""
     empty = np.zeros(0)
 
     def get(name: str) -> np.ndarray:
-        return empty if s is None else getattr(s, name)
+        own = empty if s is None else getattr(s, name)
+        if prior is not None and name in ("output_tokens", "new_tokens"):
+            return np.concatenate((own, prior.pseudo(name)))
+        return own
 
     gap, is_turn = get("gap_s"), (np.zeros(0, dtype=bool) if s is None else s.gap_is_turn)
+    if prior is not None:  # the prior's gaps are gaps that end in a turn
+        extra = prior.pseudo("gap_s")
+        gap, is_turn = (
+            np.concatenate((gap, extra)),
+            np.concatenate((is_turn, np.ones(len(extra), dtype=bool))),
+        )
     gap_turn = gap[is_turn] if len(gap) else empty
     if not len(gap_turn):
         gap_turn = np.array([PRIORS["gap_s"]])
