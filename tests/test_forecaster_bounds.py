@@ -214,3 +214,21 @@ def test_the_bound_counts_live_trajectories_announced_prompts_and_the_arrivals_t
     assert u["decode_tokens"] == [pytest.approx(n * RATE_MARGIN * 80.0 * 5.0)]
     assert u["prefill_tokens"] == [pytest.approx(f + 7000.0 + 3 * f + n * turns * MARGIN * 300.0)]
     assert u["kv_tokens"] == [pytest.approx(9000.0 + 7000.0 + 3 * f + n * turns * MARGIN * 800.0)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    gaps=st.lists(st.floats(0.0, 20.0), min_size=1, max_size=60),
+    asks=st.lists(st.integers(0, 60), max_size=5),
+    h=st.sampled_from([5.0, 10.0, 30.0]),
+)
+def test_arrivals_within_is_the_most_starts_in_any_span(gaps: list[float], asks: list[int], h: float) -> None:
+    """A(h), kept as a sliding window and asked at any time, equals the brute-force count."""
+    times = np.cumsum(gaps)
+    lim = Limits()
+    for k, t in enumerate(times):
+        lim.started(float(t))
+        if k in asks:  # asked midway: later starts must still be counted
+            seen = times[: k + 1]
+            assert lim.arrivals_within(h) == max(int(((seen >= x - h) & (seen <= x)).sum()) for x in seen)
+    assert lim.arrivals_within(h) == max(int(((times >= x - h) & (times <= x)).sum()) for x in times)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 
@@ -42,6 +44,15 @@ PRIOR_CYCLE_S = 1.0  # shortest turn-to-turn cycle assumed before one was seen (
 _MAX_STARTS = 65_536  # start times kept for A(h) (bounded memory)
 
 
+@dataclass
+class _Window:
+    """A(h)'s sliding window: the starts within h of the newest one, the most it held, the starts it has seen."""
+
+    times: deque[float] = field(default_factory=deque)
+    best: int = 0
+    done: int = 0
+
+
 class Limits:
     """The run's largest observed values (module header), fed by `learner.EventLearner`."""
 
@@ -52,12 +63,14 @@ class Limits:
         self.decode_rate_max = 0.0  # fastest per-sequence decode rate (tokens/s)
         self.cycle_min_s = math.inf  # shortest time between two turns of one trajectory
         self._starts: deque[float] = deque(maxlen=_MAX_STARTS)
-        self._arrivals_cache: dict[float, tuple[int, int]] = {}  # h -> (starts seen, A(h))
+        self._total = 0  # starts ever seen
+        self._windows: dict[float, _Window] = {}  # h -> its sliding window over the starts
 
     # --- input ------------------------------------------------------------------------------------------------
     def started(self, now: float) -> None:
         if math.isfinite(now):
             self._starts.append(now)
+            self._total += 1
 
     def turn(self, new_tokens: float, first: bool, cycle_s: float | None) -> None:
         if first:
@@ -96,15 +109,17 @@ class Limits:
         return 1.0 + math.floor(h / max(c, 1e-3))
 
     def arrivals_within(self, h: float) -> int:
-        """A(h): the most starts seen within any span of h seconds (module header)."""
-        n = len(self._starts)
-        cached = self._arrivals_cache.get(h)
-        if cached is not None and cached[0] == n:
-            return cached[1]
-        t = np.sort(np.fromiter(self._starts, float, n))
-        a = int((np.searchsorted(t, t + h, side="right") - np.arange(n)).max()) if n else 0
-        self._arrivals_cache[h] = (n, a)
-        return a
+        """A(h): the most starts seen within any span of h seconds (module header). A sliding window per h over
+        the starts since the last call (O(1) per start: a run of 10,000 trajectories asks every second)."""
+        w = self._windows.setdefault(h, _Window())
+        fresh = min(self._total - w.done, len(self._starts))
+        for t in reversed(list(islice(reversed(self._starts), fresh))):
+            w.times.append(t)
+            while w.times[0] < t - h:
+                w.times.popleft()
+            w.best = max(w.best, len(w.times))
+        w.done = self._total
+        return w.best
 
 
 def demand_bound(
