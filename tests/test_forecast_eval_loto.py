@@ -11,7 +11,7 @@ import pytest
 from prorsa.cli import main
 from prorsa.forecast_eval.loto import misses, prior_without, trace_samples
 from services.forecaster.distributions import Distributions
-from services.forecaster.lifecycle_model import PRIOR_WEIGHT, PriorSamples, make_inputs
+from services.forecaster.lifecycle_model import PRIOR_POINTS, PriorSamples, make_inputs
 
 
 def test_the_left_out_trace_gives_nothing_to_its_prior() -> None:
@@ -26,21 +26,20 @@ def test_the_left_out_trace_gives_nothing_to_its_prior() -> None:
         prior_without("swe", traces=("swe",))
 
 
-def test_a_prior_yields_to_the_runs_own_observations() -> None:
-    """PRIOR_WEIGHT pseudo-observations: alone at first, then outweighed as the run's own samples come."""
+def test_a_prior_stands_for_a_kind_until_its_first_own_observation() -> None:
+    """The other traces' distribution of a kind, until the run observes the kind once; then the run's own alone."""
     prior = PriorSamples(
-        gap_s=np.full(50, 30.0), output_tokens=np.full(50, 2000.0), new_tokens=np.full(50, 900.0)
+        gap_s=np.linspace(1.0, 30.0, 50), output_tokens=np.full(50, 2000.0), new_tokens=np.full(50, 900.0)
     )
     cold = make_inputs(None, 50.0, prior)
-    assert np.all(cold.out == 2000.0) and np.all(cold.gap_turn == 30.0) and cold.mu_new == 900.0
+    assert len(cold.out) == PRIOR_POINTS and np.all(cold.out == 2000.0) and cold.mu_new == 900.0
+    assert cold.gap_turn.min() > 1.0 and cold.gap_turn.max() < 30.0 and cold.gap_is_turn.all()
+    assert np.all(make_inputs(None, 50.0).out == 256.0)  # no prior: the round stand-in
     d = Distributions()
-    for n in range(1, 200):
-        d.add("t", "output_tokens", 40.0)
-        d.add("t", "gap_s", 0.5, True)
-        mean_out = make_inputs(d.freeze().for_task("t"), 50.0, prior).out.mean()
-        share = PRIOR_WEIGHT / (n + PRIOR_WEIGHT)  # the prior's weight after n own observations
-        assert mean_out == pytest.approx(share * 2000.0 + (1 - share) * 40.0)
-    assert make_inputs(d.freeze().for_task("t"), 50.0).out.mean() == 40.0  # no prior: the run's own alone
+    d.add("t", "output_tokens", 40.0)
+    warm = make_inputs(d.freeze().for_task("t"), 50.0, prior)
+    assert list(warm.out) == [40.0]  # the first own output replaces the prior's
+    assert warm.mu_new == 900.0  # new tokens: none observed yet, still the prior's
 
 
 def test_misses_name_each_target_missed() -> None:

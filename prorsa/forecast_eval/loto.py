@@ -3,10 +3,10 @@
 What "seen" means here. The forecaster fits nothing offline: every distribution of the lifecycle model is learnt
 online from the run itself. What a new workload starts from, before its own first trajectories say anything, is
 its prior; in this evaluation that prior is `PriorSamples` pooled from the *other* traces (their tool latencies,
-output tokens per turn and new tokens per later turn, each trace weighing the same), entering as a few
-pseudo-observations that the left-out trace's first trajectories soon outweigh (`lifecycle_model.PRIOR_WEIGHT`).
-So every figure of a left-out trace comes from a forecaster whose only knowledge of that trace is what it
-observed while forecasting it.
+output tokens per turn and new tokens per later turn, each trace weighing the same), in place of the round
+stand-ins, each kind's replaced by the left-out trace's first observation of it (`lifecycle_model.PriorSamples`
+says why it is not kept beside them). So every figure of a left-out trace comes from a forecaster whose only
+knowledge of that trace is what it observed while forecasting it.
 
 Targets (issue 32), 10 s ahead, on every trace: prefill WAPE <= 0.7x naive's, decode WAPE <= 0.9x naive's,
 coverage80 (the share of actuals within q10..q90, prefill and decode pooled) in 0.75-0.85.

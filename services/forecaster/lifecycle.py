@@ -7,8 +7,8 @@ is fitted offline to a trace. The priors, used only until the run has observed a
 right order and no more (`lifecycle_model.PRIORS`: a 1 s gap, 256 tokens in and out per turn, 30 tokens/s), and
 are replaced as soon as one sample of that kind exists. With `prior` (`lifecycle_model.PriorSamples`: other
 workloads' gaps, outputs and new tokens — in `prorsa forecast-eval --leave-one-out`, the other shipped traces) a
-new workload starts from those distributions instead, as PRIOR_WEIGHT pseudo-observations beside its own, which
-its first trajectories soon outweigh. What no series model has is the structure, one piece per term:
+new workload starts from those distributions instead, each replaced, as a prior is, by the run's first own
+observation of its kind. What no series model has is the structure, one piece per term:
   term              structural knowledge it uses
   tool_call         a trajectory in a tool call returns (or ends) with a prompt whose context is known: the
                     tracker's context plus the new tokens of a turn; when, from the gap's conditional survival
