@@ -104,19 +104,23 @@ def test_lru_keeps_everything_within_capacity_and_capacity_over_working_set_beyo
     assert cache_hit_share(-5, 4_000) == 0.0  # running work left no room at all
 
 
-def test_prefixes_past_the_kv_capacity_cost_whole_context_recomputes() -> None:
-    """A working set of cached prefixes larger than the prefill engines' KV (128 trajectories of 40k tokens on two
-    engines of 1M tokens) makes a share of turns recompute their whole context; one that fits costs nothing more
-    than with an unbounded cache. Decode is far from its KV limit in both, so only the prefix caches differ."""
-    base = make_capacity("deepseek-v3.2")
+def test_colocated_prefixes_past_the_kv_its_decodes_leave_cost_whole_context_recomputes() -> None:
+    """A mixed engine caches prefixes in the KV its decode batch leaves free: 256 live trajectories of 40k tokens
+    on 8 engines of 1M tokens overflow it, and a share of turns recompute their whole context; 16 fit, and cost
+    what they cost with an unbounded cache. A split's prefill engines get no such term (turn_model doc: their
+    evictions are the turns the affinity rule already sends away)."""
+    base = make_capacity("qwen3-235b")
     tight = CapacityModel(dataclasses.replace(base.profile, kv_capacity_tokens=1_000_000))
-    roomy = CapacityModel(dataclasses.replace(base.profile, kv_capacity_tokens=100_000_000))
-    split = Split(2, 6)
-    over = [turn_time(split, PREFILL_HEAVY, 128, c) for c in (tight, roomy)]
-    assert 128 * PREFILL_HEAVY.context_tokens / 2 > 2.5 * 1_000_000
-    assert over[0].prefill_s > 1.4 * over[1].prefill_s and over[0].turn_s > 1.3 * over[1].turn_s
-    fits = [turn_time(split, PREFILL_HEAVY, 16, c) for c in (tight, roomy)]
+    roomy = CapacityModel(dataclasses.replace(base.profile, kv_capacity_tokens=1_000_000_000))
+    colocated = Split(0, 0, 8)
+    shape = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=20.0)
+    over = [turn_time(colocated, shape, 256, c) for c in (tight, roomy)]
+    assert 256 * shape.context_tokens / 8 > 1_000_000
+    assert over[0].prefill_s > 2 * over[1].prefill_s and over[0].turn_s > over[1].turn_s
+    fits = [turn_time(colocated, shape, 16, c) for c in (tight, roomy)]
     assert fits[0].turn_s == pytest.approx(fits[1].turn_s, rel=1e-3)
+    split = [turn_time(Split(2, 6), shape, 16, c) for c in (tight, roomy)]
+    assert split[0].prefill_s == pytest.approx(split[1].prefill_s, rel=1e-3)
 
 
 def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:
