@@ -94,6 +94,7 @@ class _Pending:
     done: asyncio.Future[GenerateResult]
     last_progress_mono: float
     on_tokens: Callable[[list[int]], None] | None = None
+    on_chunk: Callable[[TokenChunk], None] | None = None  # each new chunk whole (ids and their logprobs)
     # When this request was last retried early (`_broken`), as the reconnect time it followed (-1: after a hole
     # without reconnect): one early retry per outage, later ones wait retry_after_s.
     early_retried_after: float | None = None
@@ -218,6 +219,7 @@ class RolloutClient:
         request: GenerateRequest,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
     ) -> GenerateResult:
         """Send a turn and wait for its whole output; retries a request that makes no progress.
 
@@ -234,6 +236,7 @@ class RolloutClient:
             asyncio.get_running_loop().create_future(),
             time.monotonic(),
             on_tokens,
+            on_chunk,
         )
         self._pending[request.request_id] = pending
         deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -346,6 +349,8 @@ class RolloutClient:
             pending.last_progress_mono = time.monotonic()
         if pending.assembler.duplicates == before and pending.on_tokens is not None and chunk.token_ids:
             pending.on_tokens(list(chunk.token_ids))
+        if pending.assembler.duplicates == before and pending.on_chunk is not None:
+            pending.on_chunk(chunk)
         if result is not None and not pending.done.done():
             pending.done.set_result(result)
 
@@ -386,13 +391,15 @@ class Trajectory:
         *,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
     ) -> GenerateResult:
         """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs.
 
-        `on_tokens` sees each new batch of output ids as it streams. Raises GenerateError when the engine rejects
+        `on_tokens` sees each new batch of output ids as it streams; `on_chunk` each new `TokenChunk` whole
+        (its ids with their logprobs, in arrival order). Raises GenerateError when the engine rejects
         the turn, TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
         """
-        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s)
+        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk)
 
     async def _run_turn(
         self,
@@ -401,6 +408,7 @@ class Trajectory:
         hint: WorkloadHint | None,
         on_tokens: Callable[[list[int]], None] | None,
         timeout_s: float | None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
     ) -> GenerateResult:
         """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
@@ -431,7 +439,7 @@ class Trajectory:
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
         )
-        result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s)
+        result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s, on_chunk=on_chunk)
         self.results.append(result)
         self.affinity_engine = result.prefill_engine or result.engine_id
         self.context_tokens = n + len(result.token_ids)

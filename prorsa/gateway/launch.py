@@ -1,0 +1,64 @@
+"""What `prorsa up` needs to run a gateway: its API key, the trainer's env file naming it, a port, a tokenizer.
+
+The key lives in the credentials directory (`api_key`, 0600; reused with `--secrets-dir`), and `trainer.env` gets
+`PRORSA_API_KEY` and `OPENAI_API_KEY` (so an unmodified OpenAI client picks it up after `source DIR/trainer.env`)
+and `OPENAI_BASE_URL` (the gateway's `/v1`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+from pathlib import Path
+
+KEY_FILE = "api_key"
+
+
+def api_key(secrets_dir: str | os.PathLike[str]) -> str:
+    """The key kept in `secrets_dir`, created (random, 0600) the first time."""
+    path = Path(secrets_dir) / KEY_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    key = f"prorsa-{secrets.token_urlsafe(24)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (key + "\n").encode())
+    finally:
+        os.close(fd)
+    return key
+
+
+def write_trainer_env(secrets_dir: str | os.PathLike[str], key: str, base_url: str) -> None:
+    """Append the gateway's lines to `trainer.env` (rewritten by the bus secrets before, so never twice)."""
+    lines = [f"export PRORSA_API_KEY={key}\n", f"export OPENAI_API_KEY={key}\n"]
+    if base_url:
+        lines += [f"export OPENAI_BASE_URL={base_url}\n", f"export PRORSA_OPENAI_URL={base_url}\n"]
+    path = Path(secrets_dir) / "trainer.env"
+    text = path.read_text() if path.is_file() else ""
+    kept = [
+        line for line in text.splitlines(keepends=True) if "_API_KEY=" not in line and "OPENAI_" not in line
+    ]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, "".join(kept + lines).encode())
+    finally:
+        os.close(fd)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the gateway binds it a moment later; a clash is reported by its exit)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def default_tokenizer(model: str | None) -> tuple[str, bool]:
+    """(tokenizer directory, whether it is a temporary one to remove): the model's own when it ships one, else the
+    tiny chat tokenizer (`tiny_tokenizer.py`) written to a fresh temporary directory."""
+    if model and (Path(model) / "tokenizer_config.json").is_file():
+        return model, False
+    from prorsa.gateway.tiny_tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tempfile.mkdtemp(prefix="prorsa-tokenizer-")), True

@@ -1,0 +1,265 @@
+"""The gateway's turns, over the client SDK: a session is a `Trajectory`, a request one `generate`.
+
+Each HTTP request becomes one turn (or n, for a group): the session is acquired (`sessions.py`), the prompt built
+by the caller from it, the turn run with `Trajectory.generate` (so placement, affinity, retries and exactly-once
+streams are the SDK's), stop strings applied, and the session told what the next turn must extend.
+
+The tool call is the gap between a session's turns: after a response goes out the gateway reports the tool call's
+start, and when the session's next request arrives its end (with the observation's size: the prompt's new tokens),
+so the tracker sees every agent's tool calls without the agent saying anything. A request with no session is a
+trajectory of one turn, finished with its response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prorsa.client.client import ClusterSaturated, GenerateError, RolloutClient, Trajectory
+from prorsa.gateway.chat_template import ChatTokenizer
+from prorsa.gateway.metrics import GatewayMetrics
+from prorsa.gateway.sampling import Sampling, cut_at_stop
+from prorsa.gateway.sessions import Session, SessionError, SessionTable
+from proto import TokenChunk
+from services.runtime.logging import get_logger
+
+log = get_logger("gateway", "")
+
+
+class TurnError(Exception):
+    """A turn that cannot run or failed; `status` is the HTTP status, `code` the OpenAI error code."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One finished turn, as the endpoints answer it."""
+
+    traj_id: str
+    turn: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length" | "abort" (engine's, or "stop" on a stop string)
+    text: str | None  # the output's text (None: no tokenizer)
+    cached_tokens: int
+    engine_id: str
+    policy_version: int
+    ttft_s: float
+
+
+@dataclass
+class GatewayConfig:
+    model_name: str = "prorsa"
+    max_model_len: int = 32768  # prompt + output tokens a turn may hold
+    max_tokens_cap: int = 32768
+
+
+@dataclass
+class PromptBuilder:
+    """Builds a turn's prompt from its session: returns (prompt ids, prefix-break reason or "")."""
+
+    build: Callable[[Session], tuple[list[int], str]]
+    on_recorded: Callable[[Session], dict] = field(
+        default=lambda s: {}
+    )  # extra fields for `SessionTable.record`
+
+
+class Gateway:
+    def __init__(
+        self,
+        client: RolloutClient,
+        tokenizer: ChatTokenizer | None,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.sessions = SessionTable()
+        self.trajectories: dict[str, Trajectory] = {}
+        self.running: dict[
+            str, asyncio.Task
+        ] = {}  # session -> the task running its turn (what abort cancels)
+
+    def decode(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    async def run(
+        self,
+        session_id: str | None,
+        builder: PromptBuilder,
+        sampling: Sampling,
+        *,
+        task: str = "",
+        policy_version: int = 0,
+        group: str = "",
+        on_chunk: Callable[[TokenChunk], None] | None = None,
+    ) -> Turn:
+        """One turn of `session_id` (None: a one-turn trajectory). Raises TurnError."""
+        if session_id is None:
+            return await self._one_shot(builder, sampling, task, policy_version, group, on_chunk)
+        try:
+            s, fresh = self.sessions.acquire(session_id, time.monotonic())
+        except SessionError as exc:
+            raise TurnError(exc.status, exc.code, str(exc)) from exc
+        self.metrics.sessions.set(len(self.sessions))
+        current = asyncio.current_task()
+        if current is not None:
+            self.running[session_id] = current
+        try:
+            if fresh:
+                self.trajectories[session_id] = await self.client.start_trajectory(
+                    session_id, task=task, policy_version=policy_version, group=group
+                )
+            traj = self.trajectories[session_id]
+            prompt_ids, broke = builder.build(s)
+            self._check_prefix(s, broke)
+            self._check_window(prompt_ids, sampling)
+            if s.turns:  # the tool call (the gap since the last response) ends now
+                await traj.tool_finished("", observation_tokens=max(0, len(prompt_ids) - len(s.context)))
+            turn = await self._generate(traj, prompt_ids, sampling, on_chunk)
+            self.sessions.record(s, prompt_ids, turn.output_ids, time.monotonic(), **builder.on_recorded(s))
+            await traj.tool_started("")  # until this session's next request
+            return turn
+        finally:
+            self.running.pop(session_id, None)
+            self.sessions.release(s)
+
+    async def _one_shot(
+        self,
+        builder: PromptBuilder,
+        sampling: Sampling,
+        task: str,
+        policy_version: int,
+        group: str,
+        on_chunk: Callable[[TokenChunk], None] | None,
+    ) -> Turn:
+        prompt_ids, _ = builder.build(Session("", 0.0))
+        self._check_window(prompt_ids, sampling)
+        traj = await self.client.start_trajectory(
+            f"gw-{uuid.uuid4().hex[:16]}", task=task, policy_version=policy_version, group=group
+        )
+        try:
+            return await self._generate(traj, prompt_ids, sampling, on_chunk)
+        finally:
+            await traj.finish()
+
+    async def _generate(
+        self,
+        traj: Trajectory,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        on_chunk: Callable[[TokenChunk], None] | None,
+    ) -> Turn:
+        turn = traj.turn
+        self.metrics.in_flight.inc()
+        try:
+            result = await traj.generate(prompt_ids, sampling.params, on_chunk=on_chunk)
+        except GenerateError as exc:
+            raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}") from exc
+        except ClusterSaturated as exc:
+            raise TurnError(429, "overloaded", str(exc)) from exc
+        except TimeoutError as exc:
+            raise TurnError(504, "timeout", str(exc)) from exc
+        finally:
+            self.metrics.in_flight.dec()
+        ids, logprobs, reason = list(result.token_ids), result.logprobs, result.finish_reason
+        text = self.decode(ids)
+        if sampling.stop and self.tokenizer is not None:
+            cut = cut_at_stop(ids, sampling.stop, self.tokenizer.decode)
+            if cut is not None:
+                keep, text = cut
+                ids, reason = ids[:keep], "stop"
+                logprobs = logprobs[:keep] if logprobs is not None else None
+        return Turn(
+            traj.traj_id,
+            turn,
+            list(prompt_ids),
+            ids,
+            logprobs,
+            reason,
+            text,
+            result.cached_tokens,
+            result.engine_id,
+            result.policy_version,
+            result.ttft_s,
+        )
+
+    async def run_group(
+        self,
+        n: int,
+        builder: PromptBuilder,
+        sampling: Sampling,
+        task: str = "",
+        policy_version: int = 0,
+    ) -> list[Turn]:
+        """n one-turn trajectories on one prompt: a GRPO group (`TrajectoryStarted.group`). Raises TurnError."""
+        group = f"g-{uuid.uuid4().hex[:12]}"
+        runs = [self._one_shot(builder, sampling, task, policy_version, group, None) for _ in range(n)]
+        return list(await asyncio.gather(*runs))
+
+    def _check_prefix(self, s: Session, reason: str) -> None:
+        if not reason:
+            return
+        self.metrics.prefix_breaks.inc()
+        if not s.broken:  # once per trajectory: a client that always re-templates would flood the log
+            s.broken = True
+            log.warning("prefix_break", traj_id=s.traj_id, turn=s.turns, reason=reason)
+
+    def _check_window(self, prompt_ids: list[int], sampling: Sampling) -> None:
+        need = len(prompt_ids) + sampling.params.max_tokens
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise TurnError(
+                400,
+                "context_length_exceeded",
+                f"the prompt has {len(prompt_ids)} tokens; the model's window is {self.config.max_model_len}",
+                "messages",
+            )
+        if need > self.config.max_model_len:
+            raise TurnError(
+                400,
+                "context_length_exceeded",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.params.max_tokens}) exceeds the "
+                f"model's window of {self.config.max_model_len} tokens",
+                "max_tokens",
+            )
+
+    async def finish(self, traj_id: str, reward: float | None, status: str) -> Session:
+        """Close a session as the SDK's `finish` does. Raises TurnError (404 unknown, 409 finished or busy)."""
+        try:
+            s = self.sessions.get(traj_id)
+            if s.busy:
+                raise SessionError(
+                    409, "session_busy", f"session {traj_id!r} has a turn running: abort it first"
+                )
+            self.sessions.finish(traj_id)
+        except SessionError as exc:
+            raise TurnError(exc.status, exc.code, str(exc)) from exc
+        traj = self.trajectories.pop(traj_id)
+        await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
+        self.metrics.sessions.set(len(self.sessions))
+        return s
+
+    async def abort(self, traj_id: str) -> Session:
+        """Stop the session's running turn, if any, and close its trajectory as aborted. Raises TurnError (404
+        unknown, 409 finished)."""
+        try:
+            self.sessions.get(traj_id)
+        except SessionError as exc:
+            raise TurnError(exc.status, exc.code, str(exc)) from exc
+        task = self.running.get(traj_id)
+        if task is not None and not task.done():
+            self.metrics.aborts.labels(cause="request").inc()
+            task.cancel()
+            await asyncio.wait({task})
+        return await self.finish(traj_id, None, "aborted")
