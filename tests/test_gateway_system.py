@@ -329,3 +329,86 @@ def test_hundreds_of_concurrent_sessions(up: Up) -> None:
             await asyncio.gather(*(session(client, i) for i in range(200)))
 
     asyncio.run(main())
+
+
+async def _engine_finished(up: Up, traj_id: str, timeout_s: float = 30.0) -> object:
+    """The engines' RequestFinished of `traj_id`'s turn (read as the operator from the EVENTS stream)."""
+    import proto
+    from proto import RequestFinished, Subjects
+    from services.runtime.bus import connect
+    from services.runtime.credentials import BusCredentials
+
+    creds = BusCredentials(nkey_file=str(up.secrets / "operator.nk"), inbox_prefix="_INBOX.operator")
+    nc = await connect(up.nats, "test-operator", credentials=creds)
+    try:
+        sub = await nc.subscribe(Subjects().all_engine_events)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            ev = proto.decode(msg.data, msg.subject)
+            if isinstance(ev, RequestFinished) and ev.traj_id == traj_id:
+                return ev
+        raise AssertionError(f"no RequestFinished for {traj_id}")
+    finally:
+        await nc.close()
+
+
+def test_a_client_disconnecting_mid_stream_aborts_the_turn_on_its_engine(up: Up) -> None:
+    async def main() -> object:
+        watch = asyncio.create_task(_engine_finished(up, "ep-gone-1"))
+        await asyncio.sleep(0.3)
+        body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 20000, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream(
+                "POST",
+                f"{up.base_url}/chat/completions",
+                json={**body, "trajectory_id": "ep-gone-1"},
+                headers=up.auth(),
+            ) as r,
+        ):
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 3:
+                    break  # and go away mid-stream
+        t0 = time.monotonic()
+        ev = await watch
+        return ev, time.monotonic() - t0
+
+    ev, waited = asyncio.run(main())
+    assert ev.finish_reason == "abort" and 0 < ev.output_tokens < 20000, ev  # type: ignore[attr-defined]
+    assert waited < 10
+    assert _metric(up, 'prorsa_gateway_aborts_total{cause="disconnect"}') >= 1
+
+
+def test_abort_endpoint_stops_the_running_turn_and_closes_the_session(up: Up) -> None:
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            turn = asyncio.create_task(
+                client.post(
+                    f"{up.base_url}/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": "x"}],
+                        "max_tokens": 20000,
+                        "logprobs": True,
+                    },
+                    headers={**up.auth(), "X-Prorsa-Trajectory": "ep-abort-1"},
+                )
+            )
+            await asyncio.sleep(1.5)
+            aborted = await client.post(f"{up.base_url}/trajectories/ep-abort-1/abort", headers=up.auth())
+            return await turn, aborted
+
+    turn, aborted = asyncio.run(main())
+    assert aborted.status_code == 200 and aborted.json()["status"] == "aborted"
+    choice = turn.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 20000
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])  # the partial output, token-exact
+    late = httpx.post(
+        f"{up.base_url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "trajectory_id": "ep-abort-1"},
+        headers=up.auth(),
+    )
+    assert late.status_code == 409

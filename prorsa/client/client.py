@@ -50,6 +50,7 @@ from prorsa.client.directory import EngineDirectory
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
+    AbortRequest,
     EngineStats,
     GenerateRequest,
     LifecycleEvent,
@@ -360,6 +361,12 @@ class RolloutClient:
         except ProtoError:
             self.bad_messages += 1
 
+    async def abort(self, request_id: str, traj_id: str, reason: str = "") -> None:
+        """Stop a turn on whichever engine holds it (or pulls it later): its `submit` then returns the partial
+        output with finish_reason "abort", and the turn is never redelivered."""
+        msg = AbortRequest(request_id=request_id, traj_id=traj_id, ts_s=self.clock.now_s(), reason=reason)
+        await self.nc.publish(self.subjects.abort, proto.encode(msg))
+
     def reply_subject(self, n: int) -> str:
         return f"{self._reply_prefix}.{n}"
 
@@ -445,6 +452,13 @@ class Trajectory:
         self.context_tokens = n + len(result.token_ids)
         self.turn += 1
         return result
+
+    async def abort(self, reason: str = "") -> None:
+        """Stop the turn running now (if any): its `generate` returns what was sampled so far, with
+        finish_reason "abort"."""
+        request_id = f"{self.traj_id}:{self.turn}"
+        if request_id in self.client._pending:
+            await self.client.abort(request_id, self.traj_id, reason)
 
     async def tool_started(self, tool: str = "") -> None:
         await self.client.emit(ToolCallStarted, traj_id=self.traj_id, turn=max(0, self.turn - 1), tool=tool)

@@ -85,6 +85,7 @@ class _Api:
         self.http = http
         self.metrics = gw.metrics
         self.running = 0
+        self._aborting: set[asyncio.Future] = set()  # aborts outliving their request, held till done
 
     # --- the frame every endpoint runs in: auth, errors, counting ----------------------------------------------
     def endpoint(
@@ -462,6 +463,7 @@ class _Api:
     ) -> Response:
         queue: asyncio.Queue = asyncio.Queue()
         streaming = asyncio.Event()
+        started: list[Any] = []  # the turn's trajectory, once known (what a disconnect aborts)
 
         def on_chunk(chunk: Any) -> None:
             queue.put_nowait(chunk)
@@ -470,7 +472,13 @@ class _Api:
         async def run() -> list[Turn]:
             return [
                 await self.gw.run(
-                    session_id, builder, sampling, task=task_name, policy_version=version, on_chunk=on_chunk
+                    session_id,
+                    builder,
+                    sampling,
+                    task=task_name,
+                    policy_version=version,
+                    on_chunk=on_chunk,
+                    on_start=started.append,
                 )
             ]
 
@@ -493,9 +501,15 @@ class _Api:
                 yield shapes.sse(shapes.error_body(str(exc), exc.code, exc.param))
                 yield shapes.sse("[DONE]")
             finally:
-                if not task.done():  # the client went away mid-stream: stop the turn
+                if not task.done():  # the client went away mid-stream: stop the turn on its engine
                     self.metrics.aborts.labels(cause="disconnect").inc()
-                    task.cancel()
+                    if started:
+                        # Shielded: this generator is being closed; the abort must still reach the bus.
+                        aborting = asyncio.ensure_future(self.gw.abort_turn(started[0], task))
+                        self._aborting.add(aborting)
+                        aborting.add_done_callback(self._aborting.discard)
+                    else:
+                        task.cancel()
 
         return StreamingResponse(body(), media_type="text/event-stream")
 

@@ -104,10 +104,12 @@ class Gateway:
         policy_version: int = 0,
         group: str = "",
         on_chunk: Callable[[TokenChunk], None] | None = None,
+        on_start: Callable[[Trajectory], None] | None = None,
     ) -> Turn:
-        """One turn of `session_id` (None: a one-turn trajectory). Raises TurnError."""
+        """One turn of `session_id` (None: a one-turn trajectory); `on_start` is told its trajectory before the
+        turn is sent (so a caller can abort it). Raises TurnError."""
         if session_id is None:
-            return await self._one_shot(builder, sampling, task, policy_version, group, on_chunk)
+            return await self._one_shot(builder, sampling, task, policy_version, group, on_chunk, on_start)
         try:
             s, fresh = self.sessions.acquire(session_id, time.monotonic())
         except SessionError as exc:
@@ -122,6 +124,8 @@ class Gateway:
                     session_id, task=task, policy_version=policy_version, group=group
                 )
             traj = self.trajectories[session_id]
+            if on_start is not None:
+                on_start(traj)
             prompt_ids, broke = builder.build(s)
             self._check_prefix(s, broke)
             self._check_window(prompt_ids, sampling)
@@ -143,12 +147,15 @@ class Gateway:
         policy_version: int,
         group: str,
         on_chunk: Callable[[TokenChunk], None] | None,
+        on_start: Callable[[Trajectory], None] | None = None,
     ) -> Turn:
         prompt_ids, _ = builder.build(Session("", 0.0))
         self._check_window(prompt_ids, sampling)
         traj = await self.client.start_trajectory(
             f"gw-{uuid.uuid4().hex[:16]}", task=task, policy_version=policy_version, group=group
         )
+        if on_start is not None:
+            on_start(traj)
         try:
             return await self._generate(traj, prompt_ids, sampling, on_chunk)
         finally:
@@ -260,6 +267,14 @@ class Gateway:
         task = self.running.get(traj_id)
         if task is not None and not task.done():
             self.metrics.aborts.labels(cause="request").inc()
+            await self.abort_turn(self.trajectories[traj_id], task)
+        return await self.finish(traj_id, None, "aborted")
+
+    async def abort_turn(self, traj: Trajectory, task: asyncio.Task, wait_s: float = 10.0) -> None:
+        """Abort `traj`'s running turn on the bus (the engine stops it and answers "abort") and wait for `task`,
+        the turn's, to end; cancelled only if no answer comes in `wait_s` (no engine holds it or will)."""
+        await traj.abort("gateway")
+        _, pending = await asyncio.wait({task}, timeout=wait_s)
+        if pending:
             task.cancel()
             await asyncio.wait({task})
-        return await self.finish(traj_id, None, "aborted")

@@ -5,9 +5,10 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
 
   role         publishes (ns = namespace)                               subscribes
   trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
-               ns.policy.version, ns.health (requests), ns.errors       ns.ack.*, ns.forecast, ns.allocator.plan,
-                                                                        ns.errors
-  engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health
+               ns.policy.version, ns.health (requests), ns.errors,      ns.ack.*, ns.forecast, ns.allocator.plan,
+               ns.abort                                                 ns.errors
+  engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health,
+                                                                        ns.abort
                ns.work.{prefill,decode}.any (handoffs, hand-on),
                ns.reply.> (token streams), ns.errors
   tracker      ns.tracker.snapshot, ns.errors;                          ns.health (EVENTS through JetStream)
@@ -135,7 +136,7 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
             ),
         ],
         # stats.*: peers watch each other's stats, to move a dead engine's addressed work (engine_agent/rescue.py)
-        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version, s.all_engine_stats],
+        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version, s.all_engine_stats, s.abort],
     )
 
 
@@ -203,6 +204,7 @@ def _trainer(s: Subjects) -> _Grants:
             f"{ns}.work.prefill.engine.*",
             s.policy_version,
             s.health,
+            s.abort,
             *replay,
         ],
         # lifecycle: a trainer's rollout recorder reads the turns submitted (its own and its peers': the events say
