@@ -141,6 +141,7 @@ class RolloutClient:
         self.saturated_s = 0.0  # wall seconds turns spent backing off from a full queue
         self.replayed_chunks = 0  # chunks read back from the REPLIES stream after reconnects
         self.early_retries = 0  # streams retried after an outage left them incomplete
+        self.prefix_breaks = 0  # turns whose prompt did not extend their trajectory's last prompt + output
 
     @classmethod
     async def connect(
@@ -390,6 +391,8 @@ class Trajectory:
     affinity_engine: str = ""
     results: list[GenerateResult] = field(default_factory=list)
     finished: bool = False
+    last_context: list[int] = field(default_factory=list)  # the last turn's prompt + output ids
+    prefix_broken: bool = False  # a prefix break was logged (once per trajectory)
 
     async def generate(
         self,
@@ -421,6 +424,7 @@ class Trajectory:
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+        self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
         await self.client.emit(
@@ -448,10 +452,30 @@ class Trajectory:
         )
         result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s, on_chunk=on_chunk)
         self.results.append(result)
+        if prompt_token_ids:
+            self.last_context = [*prompt_token_ids, *result.token_ids]
         self.affinity_engine = result.prefill_engine or result.engine_id
         self.context_tokens = n + len(result.token_ids)
         self.turn += 1
         return result
+
+    def _check_prefix(self, prompt_token_ids: list[int]) -> None:
+        """Token fidelity (DESIGN.md principle 9): a turn's prompt must extend the last prompt + output; a break
+        (re-templated history, an edited observation) loses the engine's prefix cache and the exact tokens RL
+        trains on. Counted in `client.prefix_breaks`, logged once per trajectory."""
+        ctx = self.last_context
+        if not ctx or not prompt_token_ids or prompt_token_ids[: len(ctx)] == ctx:
+            return
+        self.client.prefix_breaks += 1
+        if not self.prefix_broken:
+            self.prefix_broken = True
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ctx, prompt_token_ids, strict=False)) if a != b),
+                len(prompt_token_ids),
+            )
+            log.warning(
+                "prefix_break", traj_id=self.traj_id, turn=self.turn, first_difference=at, context=len(ctx)
+            )
 
     async def abort(self, reason: str = "") -> None:
         """Stop the turn running now (if any): its `generate` returns what was sampled so far, with

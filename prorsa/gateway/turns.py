@@ -188,6 +188,9 @@ class Gateway:
                 keep, text = cut
                 ids, reason = ids[:keep], "stop"
                 logprobs = logprobs[:keep] if logprobs is not None else None
+                # The turn's output is what the caller keeps: the next prompt extends that, not the tokens the
+                # engine sampled past the stop string (so the SDK's prefix check agrees with the session's).
+                traj.last_context = [*prompt_ids, *ids]
         return Turn(
             traj.traj_id,
             turn,
