@@ -412,3 +412,34 @@ def test_abort_endpoint_stops_the_running_turn_and_closes_the_session(up: Up) ->
         headers=up.auth(),
     )
     assert late.status_code == 409
+
+
+def test_litellm_drives_a_tool_calling_session(up: Up) -> None:
+    """LiteLLM's OpenAI-compatible provider (as agent scaffolds use it), with `tools`, on one trajectory."""
+    os.environ.setdefault(
+        "LITELLM_LOCAL_MODEL_COST_MAP", "True"
+    )  # no fetch of the price map: no network here
+    litellm = pytest.importorskip("litellm")
+    msgs: list[dict] = [{"role": "user", "content": "run the tests"}]
+    breaks = _metric(up, "prorsa_prefix_breaks_total")
+    for _ in range(2):
+        r = litellm.completion(
+            model="openai/prorsa",
+            api_base=up.base_url,
+            api_key=up.key,
+            messages=msgs,
+            tools=TOOLS,
+            max_tokens=5,
+            logprobs=True,
+            extra_headers={"X-Prorsa-Trajectory": "ep-litellm-1"},
+        )
+        body = r.model_dump()
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and body["choices"][0]["logprobs"]
+        msgs += [{"role": "assistant", "content": msg.content or ""}, {"role": "tool", "content": "2 passed"}]
+    done = httpx.post(
+        f"{up.base_url}/trajectories/ep-litellm-1/finish", json={"reward": 1.0}, headers=up.auth()
+    )
+    assert done.status_code == 200 and done.json()["turns"] == 2
+    # The history LiteLLM sent back extended the first turn token for token: no prefix break was counted.
+    assert _metric(up, "prorsa_prefix_breaks_total") == breaks
