@@ -2,7 +2,7 @@
 
 One system (embedded nats-server, the tracker, simulated engines at a high speed-up so that engine time is small,
 and a gateway process) serves the same kind of turns two ways, in alternating rounds: through the client SDK in
-this process, and through the gateway over HTTP (`/v1/completions` with token-id prompts, one session per
+this process (reporting its tool calls, as a trainer does and as the gateway does for its clients), and through the gateway over HTTP (`/v1/completions` with token-id prompts, one session per
 trajectory, as a trainer would). `--concurrency` sessions run at once, each `--turns` turns whose prompts extend
 the last. Per path: turns/s sustained, per-turn latency p50/p99 (request to whole response), and the gateway's
 added latency (gateway minus SDK at each quantile); the gateway process's CPU per turn (from /proc, so Linux
@@ -55,12 +55,17 @@ async def _sdk_round(
     lat: list[float] = []
 
     async def one(i: int) -> None:
+        t0 = time.perf_counter()  # the first turn includes starting the trajectory, as the gateway's does
         traj = await client.start_trajectory(f"sdk-{tag}-{i}")
         prompt = list(range(1, 200))
-        for _ in range(turns):
-            t0 = time.perf_counter()
+        for k in range(turns):
+            if k:
+                t0 = time.perf_counter()
+                # A trainer reports its tool calls, as the gateway does for its clients.
+                await traj.tool_finished("", observation_tokens=3)
             out = await traj.generate(prompt, SamplingParams(max_tokens=max_tokens))
             lat.append(time.perf_counter() - t0)
+            await traj.tool_started("")
             prompt = [*prompt, *out.token_ids, 5, 6, 7]
         await traj.finish()
 

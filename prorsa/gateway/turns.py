@@ -87,9 +87,10 @@ class Gateway:
         self.metrics = metrics
         self.sessions = SessionTable()
         self.trajectories: dict[str, Trajectory] = {}
-        self.running: dict[
-            str, asyncio.Task
-        ] = {}  # session -> the task running its turn (what abort cancels)
+        # session -> the task running its turn (what abort cancels)
+        self.running: dict[str, asyncio.Task] = {}
+        # session -> the publication of its tool call's start (off the response's path; awaited before its end)
+        self._tool_started: dict[str, asyncio.Future] = {}
 
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
@@ -130,10 +131,14 @@ class Gateway:
             self._check_prefix(s, broke)
             self._check_window(prompt_ids, sampling)
             if s.turns:  # the tool call (the gap since the last response) ends now
+                gap = self._tool_started.pop(session_id, None)
+                if gap is not None:
+                    await gap  # its start is on the bus before its end
                 await traj.tool_finished("", observation_tokens=max(0, len(prompt_ids) - len(s.context)))
             turn = await self._generate(traj, prompt_ids, sampling, on_chunk)
             self.sessions.record(s, prompt_ids, turn.output_ids, time.monotonic(), **builder.on_recorded(s))
-            await traj.tool_started("")  # until this session's next request
+            # The tool call starts now, until this session's next request; published off the response's path.
+            self._tool_started[session_id] = asyncio.ensure_future(traj.tool_started(""))
             return turn
         finally:
             self.running.pop(session_id, None)
@@ -256,6 +261,9 @@ class Gateway:
         except SessionError as exc:
             raise TurnError(exc.status, exc.code, str(exc)) from exc
         traj = self.trajectories.pop(traj_id)
+        gap = self._tool_started.pop(traj_id, None)
+        if gap is not None:
+            await gap
         await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
         self.metrics.sessions.set(len(self.sessions))
         return s
