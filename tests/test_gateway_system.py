@@ -443,3 +443,21 @@ def test_litellm_drives_a_tool_calling_session(up: Up) -> None:
     assert done.status_code == 200 and done.json()["turns"] == 2
     # The history LiteLLM sent back extended the first turn token for token: no prefix break was counted.
     assert _metric(up, "prorsa_prefix_breaks_total") == breaks
+
+
+def test_the_readme_quick_start_runs(
+    up: Up, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Any agent, any language", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("OPENAI_BASE_URL", up.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", up.key)
+    exec(compile(code, "README.md", "exec"), {})
+    assert len(capsys.readouterr().out.splitlines()) == 2  # one line per turn
+    late = httpx.post(
+        f"{up.base_url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "trajectory_id": "episode-1"},
+        headers=up.auth(),
+    )
+    assert late.status_code == 409  # the quick start finished its trajectory
