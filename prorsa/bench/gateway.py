@@ -79,28 +79,29 @@ async def _sdk_round(
 async def _http_round(
     base: str, sessions: int, turns: int, max_tokens: int, tag: str
 ) -> tuple[list[float], float]:
-    import httpx
+    # aiohttp, not httpx: under a few dozen concurrent requests httpx's own overhead, not the gateway, set the pace.
+    import aiohttp
 
     lat: list[float] = []
 
-    async def one(client: httpx.AsyncClient, i: int) -> None:
+    async def one(http: aiohttp.ClientSession, i: int) -> None:
         sid = f"gw-{tag}-{i}"
         prompt = list(range(1, 200))
         for _ in range(turns):
             t0 = time.perf_counter()
-            r = await client.post(
-                f"{base}/completions",
-                json={"prompt": prompt, "max_tokens": max_tokens, "trajectory_id": sid, "logprobs": 0},
-            )
+            body = {"prompt": prompt, "max_tokens": max_tokens, "trajectory_id": sid, "logprobs": 0}
+            async with http.post(f"{base}/completions", json=body) as r:
+                r.raise_for_status()
+                out = await r.json()
             lat.append(time.perf_counter() - t0)
+            prompt = [*prompt, *out["choices"][0]["token_ids"], 5, 6, 7]
+        async with http.post(f"{base}/trajectories/{sid}/finish", json={}) as r:
             r.raise_for_status()
-            prompt = [*prompt, *r.json()["choices"][0]["token_ids"], 5, 6, 7]
-        (await client.post(f"{base}/trajectories/{sid}/finish", json={})).raise_for_status()
 
-    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=sessions)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, i) for i in range(sessions)))
+        await asyncio.gather(*(one(http, i) for i in range(sessions)))
         wall = time.perf_counter() - t0
     return lat, wall
 
