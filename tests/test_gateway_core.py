@@ -3,6 +3,7 @@ strings, the Hermes tool-call parser, and the tiny chat tokenizer `prorsa up` se
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,22 @@ def test_hermes_parser() -> None:
     ]
     assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert parse_hermes("plain") == ("plain", [])
+
+
+def test_vllms_tool_parsers_are_used_by_name(tok: ChatTokenizer) -> None:
+    """Where vLLM is installed its parsers are used by name (`--tool-parser`); its hermes reads what ours does."""
+    pytest.importorskip("vllm", reason="vLLM's tool parsers need vLLM")
+    from prorsa.gateway.tool_parser import make_parser
+
+    text = 'let me look\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    for parse in (make_parser("hermes", tok.tok), make_parser("vllm:hermes", tok.tok)):
+        content, calls = parse(text, TOOLS)
+        assert content.strip() == "let me look"
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("bash", {"command": "ls"})]
+        assert parse("no call here", TOOLS) == ("no call here", [])
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        make_parser("no-such-parser", tok.tok)
+    with pytest.raises(
+        ValueError, match="does not fit this tokenizer"
+    ):  # its markers are not in our vocabulary
+        make_parser("llama3_json", tok.tok)

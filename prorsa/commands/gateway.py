@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument(
-        "--tool-parser", default="hermes", choices=PARSERS, help="how tool calls are read from output"
+        "--tool-parser",
+        default="hermes",
+        help=f"how tool calls are read from output: {', '.join(PARSERS)}, or any of vLLM's parsers where vLLM is "
+        "installed (e.g. qwen3_coder, llama3_json)",
     )
 
 

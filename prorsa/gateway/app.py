@@ -41,7 +41,7 @@ from prorsa.gateway.schemas import (
     GenerateRequest,
 )
 from prorsa.gateway.sessions import Session
-from prorsa.gateway.tool_parser import PARSERS, parse_hermes
+from prorsa.gateway.tool_parser import make_parser
 from prorsa.gateway.turns import Gateway, PromptBuilder, Turn, TurnError
 
 M = TypeVar("M", bound=BaseModel)
@@ -85,6 +85,10 @@ class _Api:
         self.http = http
         self.metrics = gw.metrics
         self.running = 0
+        # Raises ValueError for an unknown parser: the gateway does not start with one.
+        self.parse_tools = make_parser(
+            http.tool_parser, gw.tokenizer.tok if gw.tokenizer is not None else None
+        )
         self._aborting: set[asyncio.Future] = set()  # aborts outliving their request, held till done
 
     # --- the frame every endpoint runs in: auth, errors, counting ----------------------------------------------
@@ -213,8 +217,6 @@ class _Api:
             raise UnsupportedField(
                 "tool_choice", "tool_choice 'auto' or 'none' only: a call cannot be forced"
             )
-        if self.http.tool_parser not in PARSERS:
-            raise HttpError(500, "tool_parser", f"unknown tool parser {self.http.tool_parser!r}")
         sampling = build_sampling(req.model_dump(), self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
         msgs = [m.template_message() for m in req.messages]
@@ -230,7 +232,7 @@ class _Api:
         parse = bool(tools) and req.tool_choice != "none"
 
         def message(turn: Turn) -> tuple[str | None, list]:
-            return parse_hermes(turn.text or "") if parse else (turn.text, [])
+            return self.parse_tools(turn.text or "", tools or []) if parse else (turn.text, [])
 
         if req.stream:
             return await self._chat_stream(req, session_id, builder, sampling, message)
