@@ -56,7 +56,15 @@ async def serve(config: ServeConfig) -> None:
     app = build_app(gw, config.http)
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=config.host, port=config.port, log_level="warning", access_log=False, lifespan="off"
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            # An agent's connection idles through its tool call: keep it longer than uvicorn's 5 s, so a
+            # client reusing it rarely races the server closing it.
+            timeout_keep_alive=75,
         )
     )
     try:
