@@ -67,10 +67,11 @@ def test_sessions_extend_or_break() -> None:
     )
     assert edited.new_messages is None and "changed" in edited.prefix_break
     assert "tools" in table.plan_chat(s, [*msgs, asst, msgs[0]], TOOLS).prefix_break
+    assert table.idle(60.0, 30.0) == ["t1"] and table.idle(20.0, 30.0) == []
     table.finish("t1")
     with pytest.raises(SessionError) as finished:
         table.acquire("t1", 2.0)
-    assert finished.value.status == 409
+    assert finished.value.status == 409 and "t1" not in table.sessions  # its state is gone, its id refused
     with pytest.raises(SessionError) as unknown:
         table.finish("nope")
     assert unknown.value.status == 404

@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="a turn the full work queues refuse this long is answered 429",
     )
+    p.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=3600.0,
+        help="a session (trajectory) with no request for this long is closed as aborted",
+    )
     p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument(
         "--tool-parser",
@@ -69,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         tokenizer=args.tokenizer,
         gateway=GatewayConfig(
-            model_name=args.model_name, max_model_len=args.max_model_len, max_tokens_cap=args.max_model_len
+            model_name=args.model_name,
+            max_model_len=args.max_model_len,
+            max_tokens_cap=args.max_model_len,
+            session_idle_s=args.session_idle_s,
         ),
         http=HttpConfig(
             api_key=api_key_from_env(),

@@ -7,7 +7,9 @@ process (e.g. by the `X-Prorsa-Trajectory` header). It joins the bus as a traine
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -65,11 +67,21 @@ async def serve(config: ServeConfig) -> None:
             # An agent's connection idles through its tool call: keep it longer than uvicorn's 5 s, so a
             # client reusing it rarely races the server closing it.
             timeout_keep_alive=75,
+            # On SIGTERM, turns still running after this long are cancelled (their trajectories stay on the bus).
+            timeout_graceful_shutdown=5,
         )
     )
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(60.0, config.gateway.session_idle_s / 4))
+            await gw.close_idle(time.monotonic())
+
+    sweeper = asyncio.create_task(sweep())
     try:
         await server.serve()
     finally:
+        sweeper.cancel()
         await client.close()
 
 

@@ -1,8 +1,9 @@
 """Sessions of the gateway: one session = one trajectory, its turns' ids, and whether each new turn extends the last.
 
 Pure (no I/O, no clock: `now` is passed in). The gateway's only state; a session the gateway does not know starts a
-new trajectory (`open`), a finished one is refused, and two requests of one session at once are refused (their
-turns would share a request id).
+new trajectory (`acquire`), a finished one is refused (its id is remembered, not its state: the last
+`max_finished`), and two requests of one session at once are refused (their turns would share a request id). A
+session idle for long (`idle`: an agent that never came back) is for the caller to close.
 
 Prefix rule (DESIGN.md principle 9): turn k+1's prompt must extend turn k's prompt + output. A chat request
 extends it when it repeats the messages of turn k's request unchanged, then turn k's assistant message, then new
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -55,9 +57,11 @@ def digest(value: object) -> str:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    def __init__(self, max_sessions: int = 100_000, max_finished: int = 1_000_000) -> None:
         self.sessions: dict[str, Session] = {}
         self.max_sessions = max_sessions
+        self.finished: OrderedDict[str, None] = OrderedDict()  # ids of finished sessions, oldest first
+        self.max_finished = max_finished
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -66,20 +70,22 @@ class SessionTable:
         """Raises SessionError(404) for an unknown session."""
         s = self.sessions.get(traj_id)
         if s is None:
+            if traj_id in self.finished:
+                raise SessionError(409, "session_finished", f"session {traj_id!r} is finished")
             raise SessionError(404, "unknown_session", f"no session {traj_id!r} on this gateway")
         return s
 
     def acquire(self, traj_id: str, now: float) -> tuple[Session, bool]:
         """The session for a new turn, marked busy, and whether it is new. Raises SessionError: finished (409),
         a turn already running (409), too many sessions (429)."""
+        if traj_id in self.finished:
+            raise SessionError(409, "session_finished", f"session {traj_id!r} is finished")
         s = self.sessions.get(traj_id)
         fresh = s is None
         if s is None:
             if len(self.sessions) >= self.max_sessions:
                 raise SessionError(429, "too_many_sessions", f"{self.max_sessions} sessions are open")
             s = self.sessions[traj_id] = Session(traj_id, now)
-        if s.finished:
-            raise SessionError(409, "session_finished", f"session {traj_id!r} is finished")
         if s.busy:
             raise SessionError(
                 409, "session_busy", f"session {traj_id!r} already has a turn running: send turns in order"
@@ -129,9 +135,19 @@ class SessionTable:
             s.tools_digest = digest(tools or [])
 
     def finish(self, traj_id: str) -> Session:
-        """Mark finished (kept, so a late turn is refused). Raises SessionError 404/409."""
+        """Close it: its state goes, its id stays (so a late turn is refused). Raises SessionError 404/409."""
         s = self.get(traj_id)
-        if s.finished:
-            raise SessionError(409, "session_finished", f"session {traj_id!r} is already finished")
         s.finished = True
+        del self.sessions[traj_id]
+        self.finished[traj_id] = None
+        while len(self.finished) > self.max_finished:
+            self.finished.popitem(last=False)
         return s
+
+    def idle(self, now: float, idle_s: float) -> list[str]:
+        """Sessions with no turn running and none for `idle_s` (since their last response, or their opening)."""
+        return [
+            s.traj_id
+            for s in self.sessions.values()
+            if not s.busy and now - (s.last_reply_s if s.last_reply_s is not None else s.opened_s) > idle_s
+        ]

@@ -61,6 +61,7 @@ class GatewayConfig:
     model_name: str = "prorsa"
     max_model_len: int = 32768  # prompt + output tokens a turn may hold
     max_tokens_cap: int = 32768
+    session_idle_s: float = 3600.0  # a session with no request this long is closed as aborted (wall seconds)
 
 
 @dataclass
@@ -267,6 +268,19 @@ class Gateway:
         await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
         self.metrics.sessions.set(len(self.sessions))
         return s
+
+    async def close_idle(self, now: float) -> list[str]:
+        """Close, as aborted, every session idle past `config.session_idle_s` (an agent that never came back):
+        the tracker stops counting it as in a tool call, and its memory goes."""
+        closed = []
+        for traj_id in self.sessions.idle(now, self.config.session_idle_s):
+            try:
+                await self.finish(traj_id, None, "aborted")
+            except TurnError:  # a turn started or it was finished meanwhile: not idle after all
+                continue
+            log.info("session_idle_closed", traj_id=traj_id)
+            closed.append(traj_id)
+        return closed
 
     async def abort(self, traj_id: str) -> Session:
         """Stop the session's running turn, if any, and close its trajectory as aborted. Raises TurnError (404
