@@ -127,7 +127,7 @@ def render() -> str:
         "`cached_tokens`, `prefill_engine` and `error` (non-empty: the engine refused the turn, e.g. a prompt "
         "longer than the model; do not retry).",
         "- **Abort.** Publish `abort_request` on `ns.abort` to stop a turn: the engine holding it (or the one that "
-        "pulls it later) stops, frees its KV and sends the final chunk with `finish_reason: \"abort\"` after "
+        'pulls it later) stops, frees its KV and sends the final chunk with `finish_reason: "abort"` after '
         "the tokens already streamed; the turn is never redelivered.",
         "- **Retries.** A turn with no chunk for a long while (the Python SDK waits 120 s) is republished with "
         "`attempt` + 1, hence a new `Nats-Msg-Id`; the first stream to complete is the result.",

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from proto.messages import (
+    AbortRequest,
     AllocationPlan,
     DecodeHandoff,
     DemandForecast,
     EngineStats,
-    AbortRequest,
     ErrorReply,
     GenerateRequest,
     HealthReply,
@@ -150,7 +150,9 @@ EXAMPLES: dict[type[Message], Message] = {
     TokenChunk: TokenChunk(
         request_id="traj-7:3", index=0, token_ids=[1234, 99], logprobs=[-0.7, -1.2], engine_id="engine-5"
     ),
-    AbortRequest: AbortRequest(request_id="traj-7:3", traj_id="traj-7", ts_s=T0 + 2.5, reason="client went away"),
+    AbortRequest: AbortRequest(
+        request_id="traj-7:3", traj_id="traj-7", ts_s=T0 + 2.5, reason="client went away"
+    ),
     ErrorReply: ErrorReply(
         kind="decode",
         error="proto: cannot decode message on `prorsa.cmd.engine-1`: field `epoch`: Expected `int` >= 1",

@@ -34,6 +34,7 @@ def test_tiny_tokenizer_is_deterministic_and_chatml(tmp_path: Path, tok: ChatTok
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert '"name": "bash"' in text
     assert tok.decode([5, 10**6]) == "<tool_response>"  # out-of-vocabulary ids render as nothing
+    assert tok.vocab_size == 32000  # the tiny Qwen2's: every id it samples has text
 
 
 @pytest.mark.parametrize("closed", [True, False])

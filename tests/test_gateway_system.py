@@ -291,6 +291,12 @@ def test_unknown_session_and_oversized_body(up: Up) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_session"
     r = httpx.post(f"{up.base_url}/trajectories/nobody/abort", headers=up.auth())
     assert r.status_code == 404
+    bad = httpx.post(
+        f"{up.base_url}/completions",
+        json={"prompt": [1, 2], "max_tokens": 2},
+        headers={**up.auth(), "X-Prorsa-Trajectory": "not a.subject"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-prorsa-trajectory"
     big = b'{"prompt": "' + b"x" * (33 * 1024 * 1024) + b'"}'
     r = httpx.post(f"{up.base_url}/completions", content=big, headers=up.auth(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -143,3 +143,28 @@ def test_disconnect_aborts_the_turn_on_the_vllm_engine(up: Up) -> None:
 
     ev = asyncio.run(run())
     assert ev.finish_reason == "abort" and 0 < ev.output_tokens < 3000, ev  # type: ignore[attr-defined]
+
+
+def test_a_stop_string_cuts_the_output_and_stops_the_engine(up: Up) -> None:
+    """Greedy output once without a stop string, then with a piece of its text as one: the output ends where that
+    piece first appears (finish_reason "stop"), its ids the same prefix of the first output's, and the engine was
+    told to stop (an abort on a stop string), not left to decode to max_tokens."""
+    client = up.openai()
+    prompt = [1, 100, 200, 300, 400]
+    body = {"model": "prorsa", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "logprobs": 0}
+    full = client.completions.create(**body, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
+    text = full["text"]
+    assert len(text) > 40, text
+    stop = text[len(text) // 4 : len(text) // 4 + 6]
+    cut = client.completions.create(**body, stop=[stop], extra_body={"ignore_eos": True}).model_dump()[
+        "choices"
+    ][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == text[: text.index(stop)]
+    n = len(cut["token_ids"])
+    assert 0 < n < 400 and cut["token_ids"] == full["token_ids"][:n]
+    assert cut["logprobs"]["token_logprobs"] == pytest.approx(
+        full["logprobs"]["token_logprobs"][:n], abs=1e-3
+    )
+    metrics = httpx.get(f"{up.root}/metrics").text
+    assert 'prorsa_gateway_aborts_total{cause="stop"} 1.0' in metrics

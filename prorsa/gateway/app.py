@@ -17,8 +17,10 @@ Retry-After). Bodies are parsed here (not by a framework's validator) so every e
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,11 +32,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prorsa.gateway import shapes
+from prorsa.gateway import shapes, streaming
 from prorsa.gateway.chat_template import TemplateError
 from prorsa.gateway.sampling import Sampling, UnsupportedField, build_sampling
 from prorsa.gateway.schemas import (
     SGLANG_SAMPLING,
+    TRAJECTORY_ID_PATTERN,
     ChatRequest,
     CompletionRequest,
     FinishRequest,
@@ -154,15 +157,10 @@ class _Api:
 
     def _session_id(self, request: Request, body_value: str | None) -> str | None:
         header = request.headers.get(SESSION_HEADER)
-        if header is not None:
-            from prorsa.gateway.schemas import _Session
-
-            try:
-                _Session(trajectory_id=header)
-            except ValidationError as exc:
-                raise HttpError(
-                    400, "invalid_field", f"{SESSION_HEADER}: use letters, digits, '_' or '-'", SESSION_HEADER
-                ) from exc
+        if header is not None and not re.match(TRAJECTORY_ID_PATTERN, header):
+            raise HttpError(
+                400, "invalid_field", f"{SESSION_HEADER}: 1-180 letters, digits, '_' or '-'", SESSION_HEADER
+            )
         return header or body_value
 
     async def _turns(self, run: Callable[[], Awaitable[list[Turn]]], n: int) -> list[Turn]:
@@ -352,65 +350,17 @@ class _Api:
     ) -> Response:
         if req.n != 1:
             raise UnsupportedField("n", "streaming answers one choice: n must be 1")
-        # Text is streamed as it decodes unless it may still change: stop strings cut it and tool calls are
-        # parsed from the whole output, so then it comes in one delta at the end (ids and logprobs still stream).
-        hold_text = bool(sampling.stop) or bool(req.tools and req.tool_choice != "none")
-        model = self.gw.config.model_name
-        include_usage = bool(req.stream_options and req.stream_options.get("include_usage"))
-        decode = self.gw.tokenizer.decode if self.gw.tokenizer is not None else None
-
-        def frame(delta: dict, extra: dict, finish: str | None = None) -> dict:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
-            return {
-                "id": "chatcmpl-stream",
-                "object": "chat.completion.chunk",
-                "model": model,
-                "choices": [choice],
-            }
-
-        async def events(queue: asyncio.Queue, task: asyncio.Task) -> AsyncIterator[bytes]:
-            yield shapes.sse(frame({"role": "assistant", "content": ""}, {}))
-            ids: list[int] = []
-            sent = ""
-            async for chunk in _drain(queue, task):
-                ids += chunk.token_ids
-                delta: dict[str, Any] = {}
-                if not hold_text and decode is not None:
-                    text = decode(ids)
-                    if not text.endswith("\ufffd") and text.startswith(sent) and len(text) > len(sent):
-                        delta["content"], sent = text[len(sent) :], text
-                extra: dict[str, Any] = {"token_ids": list(chunk.token_ids)}
-                out = frame(delta, extra)
-                if req.logprobs:
-                    out["choices"][0]["logprobs"] = shapes.chat_logprobs(
-                        chunk.token_ids, chunk.logprobs, decode
-                    )
-                yield shapes.sse(out)
-            turn = (await task)[0]
-            content, calls = message(turn)
-            delta = {}
-            if content and content.startswith(sent) and len(content) > len(sent):
-                delta["content"] = content[len(sent) :]
-            if calls:
-                delta["tool_calls"] = [{"index": i, **c.as_openai()} for i, c in enumerate(calls)]
-            last = frame(
-                delta,
-                {"prompt_token_ids": turn.prompt_ids, "prorsa": shapes._prorsa(turn)},
-                "tool_calls" if calls else turn.finish_reason,
-            )
-            yield shapes.sse(last)
-            if include_usage:
-                yield shapes.sse(
-                    {
-                        "id": "chatcmpl-stream",
-                        "object": "chat.completion.chunk",
-                        "model": model,
-                        "choices": [],
-                        "usage": shapes.usage([turn]),
-                    }
-                )
-            yield shapes.sse("[DONE]")
-
+        events = functools.partial(
+            streaming.chat_events,
+            model=self.gw.config.model_name,
+            # Text is streamed as it decodes unless it may still change: stop strings cut it and tool calls are
+            # parsed from the whole output; then it comes in one delta at the end (ids and logprobs still stream).
+            hold_text=bool(sampling.stop) or bool(req.tools and req.tool_choice != "none"),
+            logprobs=bool(req.logprobs),
+            include_usage=bool(req.stream_options and req.stream_options.get("include_usage")),
+            decode=self.gw.tokenizer.decode if self.gw.tokenizer is not None else None,
+            message=message,
+        )
         return await self._stream(session_id, builder, sampling, req.task, req.policy_version, events)
 
     async def _completion_stream(
@@ -418,40 +368,13 @@ class _Api:
     ) -> Response:
         if req.n != 1:
             raise UnsupportedField("n", "streaming answers one choice: n must be 1")
-        model = self.gw.config.model_name
-        decode = self.gw.tokenizer.decode if self.gw.tokenizer is not None else None
-
-        def frame(text: str, extra: dict, finish: str | None = None) -> dict:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None, **extra}
-            return {"id": "cmpl-stream", "object": "text_completion", "model": model, "choices": [choice]}
-
-        async def events(queue: asyncio.Queue, task: asyncio.Task) -> AsyncIterator[bytes]:
-            ids: list[int] = []
-            sent = ""
-            async for chunk in _drain(queue, task):
-                ids += chunk.token_ids
-                text = ""
-                if not sampling.stop and decode is not None:
-                    full = decode(ids)
-                    if not full.endswith("\ufffd") and full.startswith(sent):
-                        text, sent = full[len(sent) :], full
-                out = frame(text, {"token_ids": list(chunk.token_ids)})
-                if req.logprobs is not None:
-                    out["choices"][0]["logprobs"] = shapes.completion_logprobs(
-                        chunk.token_ids, chunk.logprobs, decode
-                    )
-                yield shapes.sse(out)
-            turn = (await task)[0]
-            rest = (turn.text or "")[len(sent) :] if (turn.text or "").startswith(sent) else ""
-            yield shapes.sse(
-                frame(
-                    rest,
-                    {"prompt_token_ids": turn.prompt_ids, "prorsa": shapes._prorsa(turn)},
-                    turn.finish_reason,
-                )
-            )
-            yield shapes.sse("[DONE]")
-
+        events = functools.partial(
+            streaming.completion_events,
+            model=self.gw.config.model_name,
+            hold_text=bool(sampling.stop),
+            logprobs=req.logprobs is not None,
+            decode=self.gw.tokenizer.decode if self.gw.tokenizer is not None else None,
+        )
         return await self._stream(session_id, builder, sampling, req.task, req.policy_version, events)
 
     async def _stream(
@@ -514,16 +437,3 @@ class _Api:
                         task.cancel()
 
         return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _drain(queue: asyncio.Queue, task: asyncio.Task) -> AsyncIterator[Any]:
-    """The chunks a running turn streams, until it ends (its own result or error is then the caller's)."""
-    while True:
-        if task.done() and queue.empty():
-            return
-        get = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            yield get.result()
-        else:
-            get.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -54,11 +55,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+TINY_TOKENIZER_VERSION = 1  # bump when tiny_tokenizer.py changes what it writes
+
+
 def default_tokenizer(model: str | None) -> tuple[str, bool]:
     """(tokenizer directory, whether it is a temporary one to remove): the model's own when it ships one, else the
-    tiny chat tokenizer (`tiny_tokenizer.py`) written to a fresh temporary directory."""
+    tiny chat tokenizer (`tiny_tokenizer.py`), built once (a few seconds) into the user's cache directory
+    ($XDG_CACHE_HOME or ~/.cache, `prorsa/`) and reused; where that cannot be written, into a temporary one."""
     if model and (Path(model) / "tokenizer_config.json").is_file():
         return model, False
     from prorsa.gateway.tiny_tokenizer import build_tiny_tokenizer
 
-    return build_tiny_tokenizer(tempfile.mkdtemp(prefix="prorsa-tokenizer-")), True
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prorsa"
+    target = cache / f"tiny-chat-tokenizer-v{TINY_TOKENIZER_VERSION}"
+    if (target / "tokenizer_config.json").is_file():
+        return str(target), False
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix="tiny-chat-tokenizer-", dir=cache))
+    except OSError:
+        return build_tiny_tokenizer(tempfile.mkdtemp(prefix="prorsa-tokenizer-")), True
+    build_tiny_tokenizer(str(staging))
+    try:
+        staging.rename(
+            target
+        )  # atomic: two `prorsa up` at once each build, one wins, neither reads half a one
+    except OSError:  # the other won
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target), False

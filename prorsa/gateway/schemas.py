@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 64
+# A trajectory id names NATS subjects and request ids (`<traj_id>:<turn>`): letters, digits, '_' and '-'.
+TRAJECTORY_ID_PATTERN = r"^[A-Za-z0-9_\-]{1,180}$"
 
 
 class _Strict(BaseModel):
@@ -21,7 +23,7 @@ class _Strict(BaseModel):
 
 
 class _Session(_Strict):
-    trajectory_id: str | None = Field(None, min_length=1, max_length=180, pattern=r"^[A-Za-z0-9_\-]+$")
+    trajectory_id: str | None = Field(None, pattern=TRAJECTORY_ID_PATTERN)
     task: str = ""
     policy_version: int = Field(0, ge=0, le=2**53 - 1)
 

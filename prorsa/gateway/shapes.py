@@ -21,7 +21,7 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _prorsa(turn: Turn) -> dict:
+def prorsa_fields(turn: Turn) -> dict:
     return {
         "trajectory_id": turn.traj_id,
         "turn": turn.turn,
@@ -81,7 +81,7 @@ def chat_response(
                 "finish_reason": "tool_calls" if calls else turn.finish_reason,
                 "logprobs": chat_logprobs(turn.output_ids, turn.logprobs, decode) if want_logprobs else None,
                 "token_ids": turn.output_ids,
-                "prorsa": _prorsa(turn),
+                "prorsa": prorsa_fields(turn),
             }
         )
     return {
@@ -120,7 +120,7 @@ def completion_response(model: str, turns: list[Turn], want_logprobs: bool, deco
                 "logprobs": completion_logprobs(t.output_ids, t.logprobs, decode) if want_logprobs else None,
                 "prompt_token_ids": t.prompt_ids,
                 "token_ids": t.output_ids,
-                "prorsa": _prorsa(t),
+                "prorsa": prorsa_fields(t),
             }
             for i, t in enumerate(turns)
         ],
@@ -137,7 +137,7 @@ def generate_response(turn: Turn, want_logprobs: bool) -> dict:
         "completion_tokens": len(turn.output_ids),
         "cached_tokens": turn.cached_tokens,
         "weight_version": turn.policy_version,
-        "prorsa": _prorsa(turn),
+        "prorsa": prorsa_fields(turn),
     }
     if want_logprobs and turn.logprobs is not None:
         meta["output_token_logprobs"] = [

@@ -9,8 +9,9 @@ same seed gives the same vocabulary on every machine and version), then saved in
 
 Special tokens come first and match the tiny Qwen2's config: id 0 `<|endoftext|>` (pad), 1 `<|im_start|>` (its
 bos id), 2 `<|im_end|>` (its eos id, the end of every turn), then `<tool_call>`, `</tool_call>`, `<tool_response>`,
-`</tool_response>`, `<think>`, `</think>`. The vocabulary (at most `vocab_size`, default 4096; about 800 on the fixed corpus) is smaller than the model's
-32000: the gateway renders ids outside the tokenizer as no text (their ids are still returned exactly).
+`</tool_response>`, `<think>`, `</think>`. The vocabulary is the model's 32000 (`vocab_size`): the corpus holds
+enough made-up words for the trainer to reach it (a few seconds), so every id the tiny model samples has text. Ids
+outside a tokenizer (a simulated engine samples from Qwen3's 151936) render as no text, their ids still returned.
 
 The chat template is Qwen2.5's ChatML with Hermes-style tools: `tools` are listed in the system turn, an assistant's
 `tool_calls` are rendered as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, and consecutive `tool`
@@ -78,10 +79,13 @@ _WORDS = (  # noqa: SIM905 - a word list reads better as text
 ).split()
 
 
-def _corpus(seed: int, lines: int = 6000) -> list[str]:
-    """Deterministic pseudo-text: chat-like lines of code and prose words, plus JSON tool calls."""
+def _corpus(seed: int, lines: int = 6000, made_up: int = 40_000) -> list[str]:
+    """Deterministic pseudo-text: chat-like lines of code and prose words, JSON tool calls, and lines of made-up
+    words (syllables) that give the trainer enough distinct pieces to reach a model-sized vocabulary."""
     rng = random.Random(seed)
-    out = []
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(made_up)]
+    out = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(made_up)]
     for i in range(lines):
         words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 24))]
         line = " ".join(words)
@@ -93,7 +97,7 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def build_tiny_tokenizer(path: str, seed: int = 0, vocab_size: int = 4096) -> str:
+def build_tiny_tokenizer(path: str, seed: int = 0, vocab_size: int = 32000) -> str:
     """Train and save the tokenizer (see the module doc) into `path` (created); return `path`.
 
     Raises ImportError when the `tokenizers` library is missing."""

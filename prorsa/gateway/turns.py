@@ -92,6 +92,7 @@ class Gateway:
         self.running: dict[str, asyncio.Task] = {}
         # session -> the publication of its tool call's start (off the response's path; awaited before its end)
         self._tool_started: dict[str, asyncio.Future] = {}
+        self._aborting: set[asyncio.Future] = set()  # aborts on a stop string, held until published
 
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
@@ -175,9 +176,12 @@ class Gateway:
         on_chunk: Callable[[TokenChunk], None] | None,
     ) -> Turn:
         turn = traj.turn
+        watch = on_chunk
+        if sampling.stop and self.tokenizer is not None:
+            watch = self._stop_watch(traj, sampling.stop, self.tokenizer, on_chunk)
         self.metrics.in_flight.inc()
         try:
-            result = await traj.generate(prompt_ids, sampling.params, on_chunk=on_chunk)
+            result = await traj.generate(prompt_ids, sampling.params, on_chunk=watch)
         except GenerateError as exc:
             raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}") from exc
         except ClusterSaturated as exc:
@@ -210,6 +214,37 @@ class Gateway:
             result.policy_version,
             result.ttft_s,
         )
+
+    def _stop_watch(
+        self,
+        traj: Trajectory,
+        stops: tuple[str, ...],
+        tokenizer: ChatTokenizer,
+        on_chunk: Callable[[TokenChunk], None] | None,
+    ) -> Callable[[TokenChunk], None]:
+        """A chunk callback that aborts the turn on its engine once the output holds a stop string, so the engine
+        does not decode on to max_tokens for text that will be cut (`_generate` cuts at the stop either way)."""
+        ids: list[int] = []
+        longest = max(len(s) for s in stops)
+        seen = {"text": 0, "aborted": False}
+
+        def watch(chunk: TokenChunk) -> None:
+            if on_chunk is not None:
+                on_chunk(chunk)
+            if seen["aborted"]:
+                return
+            ids.extend(chunk.token_ids)
+            text = tokenizer.decode(ids)
+            # Only the tail can complete a stop string that was not there before.
+            if any(s in text[max(0, seen["text"] - longest) :] for s in stops):
+                seen["aborted"] = True
+                self.metrics.aborts.labels(cause="stop").inc()
+                task = asyncio.ensure_future(traj.abort("stop string"))
+                self._aborting.add(task)
+                task.add_done_callback(self._aborting.discard)
+            seen["text"] = len(text)
+
+        return watch
 
     async def run_group(
         self,
