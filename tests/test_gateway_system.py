@@ -224,6 +224,8 @@ def test_n_is_a_group_of_trajectories(up: Up) -> None:
     trajs = {c["prorsa"]["trajectory_id"] for c in body["choices"]}
     assert len(body["choices"]) == 8 and len(trajs) == 8
     assert all(len(c["token_ids"]) == 3 for c in body["choices"])
+    # One engine for the whole group: the shared prompt is prefilled and cached there once.
+    assert len({c["prorsa"]["engine_id"] for c in body["choices"]}) == 1
 
 
 def test_prefix_breaks_are_counted(up: Up) -> None:

@@ -256,7 +256,13 @@ class Gateway:
     ) -> list[Turn]:
         """n one-turn trajectories on one prompt: a GRPO group (`TrajectoryStarted.group`). Raises TurnError."""
         group = f"g-{uuid.uuid4().hex[:12]}"
-        runs = [self._one_shot(builder, sampling, task, policy_version, group, None) for _ in range(n)]
+        # One engine for the whole group, so the shared prompt is prefilled and cached there once.
+        engine = self.client.directory.group_target(time.monotonic()) or ""
+
+        def place(traj: Trajectory) -> None:
+            traj.affinity_engine = engine
+
+        runs = [self._one_shot(builder, sampling, task, policy_version, group, None, place) for _ in range(n)]
         return list(await asyncio.gather(*runs))
 
     def _check_prefix(self, s: Session, reason: str) -> None:
