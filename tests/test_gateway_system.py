@@ -469,3 +469,23 @@ def test_the_readme_quick_start_runs(
         headers=up.auth(),
     )
     assert late.status_code == 409  # the quick start finished its trajectory
+
+
+def test_a_client_giving_up_on_a_whole_answer_aborts_the_turn(up: Up) -> None:
+    """Not streamed: an agent's HTTP timeout closes the connection, and the turn stops on its engine."""
+
+    async def main() -> object:
+        watch = asyncio.create_task(_engine_finished(up, "ep-timeout-1"))
+        await asyncio.sleep(0.3)
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 20000,
+            "trajectory_id": "ep-timeout-1",
+        }
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(f"{up.base_url}/chat/completions", json=body, headers=up.auth())
+        return await watch
+
+    ev = asyncio.run(main())
+    assert ev.finish_reason == "abort" and 0 < ev.output_tokens < 20000, ev  # type: ignore[attr-defined]

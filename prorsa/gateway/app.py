@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from prorsa.client.client import Trajectory
 from prorsa.gateway import shapes, streaming
 from prorsa.gateway.chat_template import TemplateError
 from prorsa.gateway.sampling import Sampling, UnsupportedField, build_sampling
@@ -50,6 +51,7 @@ from prorsa.gateway.turns import Gateway, PromptBuilder, Turn, TurnError
 M = TypeVar("M", bound=BaseModel)
 SESSION_HEADER = "x-prorsa-trajectory"
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5  # how often a client waiting for a whole answer is checked for having gone away
 
 
 @dataclass
@@ -173,26 +175,45 @@ class _Api:
         finally:
             self.running -= n
 
-    def _one_or_group(
+    async def _answer(
         self,
+        request: Request,
         session_id: str | None,
         n: int,
         builder: PromptBuilder,
         sampling: Sampling,
         task: str,
         version: int,
-    ) -> Callable[[], Awaitable[list[Turn]]]:
+    ) -> list[Turn]:
+        """The turns of a whole (not streamed) answer: one, or a group of n; a client that goes away meanwhile
+        (an agent's timeout) has them aborted on their engines rather than decoded for nobody."""
+        started: list[Trajectory] = []
         if n > 1:
             if session_id is not None:
                 raise HttpError(
                     400, "invalid_field", "n > 1 is a group of trajectories: not with a session", "n"
                 )
-            return lambda: self.gw.run_group(n, builder, sampling, task, version)
 
-        async def one() -> list[Turn]:
-            return [await self.gw.run(session_id, builder, sampling, task=task, policy_version=version)]
+            async def run() -> list[Turn]:
+                return await self.gw.run_group(n, builder, sampling, task, version, on_start=started.append)
 
-        return one
+        else:
+
+            async def run() -> list[Turn]:
+                turn = await self.gw.run(
+                    session_id, builder, sampling, task=task, policy_version=version, on_start=started.append
+                )
+                return [turn]
+
+        turns = asyncio.ensure_future(self._turns(run, n))
+        while True:
+            done, _ = await asyncio.wait({turns}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return turns.result()
+            if await request.is_disconnected():
+                self.metrics.aborts.labels(cause="disconnect").inc()
+                await self.gw.abort_turn(started, turns)
+                return await turns  # answered to nobody; raises what the turn raised
 
     def _tokenizer(self, what: str) -> Any:
         if self.gw.tokenizer is None:
@@ -234,8 +255,8 @@ class _Api:
 
         if req.stream:
             return await self._chat_stream(req, session_id, builder, sampling, message)
-        turns = await self._turns(
-            self._one_or_group(session_id, req.n, builder, sampling, req.task, req.policy_version), req.n
+        turns = await self._answer(
+            request, session_id, req.n, builder, sampling, req.task, req.policy_version
         )
         body = shapes.chat_response(
             self.gw.config.model_name, turns, [message(t) for t in turns], bool(req.logprobs), tok.decode
@@ -261,8 +282,8 @@ class _Api:
         builder = self._ids_builder(ids)
         if req.stream:
             return await self._completion_stream(req, session_id, builder, sampling)
-        turns = await self._turns(
-            self._one_or_group(session_id, req.n, builder, sampling, req.task, req.policy_version), req.n
+        turns = await self._answer(
+            request, session_id, req.n, builder, sampling, req.task, req.policy_version
         )
         decode = self.gw.tokenizer.decode if self.gw.tokenizer is not None else None
         return JSONResponse(
@@ -298,9 +319,8 @@ class _Api:
             raise HttpError(400, "invalid_field", "the prompt is empty", "input_ids")
         sampling = build_sampling(fields, self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
-        turns = await self._turns(
-            self._one_or_group(session_id, 1, self._ids_builder(ids), sampling, req.task, req.policy_version),
-            1,
+        turns = await self._answer(
+            request, session_id, 1, self._ids_builder(ids), sampling, req.task, req.policy_version
         )
         return JSONResponse(shapes.generate_response(turns[0], req.return_logprob))
 
@@ -430,7 +450,7 @@ class _Api:
                     self.metrics.aborts.labels(cause="disconnect").inc()
                     if started:
                         # Shielded: this generator is being closed; the abort must still reach the bus.
-                        aborting = asyncio.ensure_future(self.gw.abort_turn(started[0], task))
+                        aborting = asyncio.ensure_future(self.gw.abort_turn(started, task))
                         self._aborting.add(aborting)
                         aborting.add_done_callback(self._aborting.discard)
                     else:

@@ -253,14 +253,18 @@ class Gateway:
         sampling: Sampling,
         task: str = "",
         policy_version: int = 0,
+        on_start: Callable[[Trajectory], None] | None = None,
     ) -> list[Turn]:
-        """n one-turn trajectories on one prompt: a GRPO group (`TrajectoryStarted.group`). Raises TurnError."""
+        """n one-turn trajectories on one prompt: a GRPO group (`TrajectoryStarted.group`); `on_start` is told
+        each trajectory before its turn is sent. Raises TurnError."""
         group = f"g-{uuid.uuid4().hex[:12]}"
         # One engine for the whole group, so the shared prompt is prefilled and cached there once.
         engine = self.client.directory.group_target(time.monotonic()) or ""
 
         def place(traj: Trajectory) -> None:
             traj.affinity_engine = engine
+            if on_start is not None:
+                on_start(traj)
 
         runs = [self._one_shot(builder, sampling, task, policy_version, group, None, place) for _ in range(n)]
         return list(await asyncio.gather(*runs))
@@ -333,13 +337,14 @@ class Gateway:
         task = self.running.get(traj_id)
         if task is not None and not task.done():
             self.metrics.aborts.labels(cause="request").inc()
-            await self.abort_turn(self.trajectories[traj_id], task)
+            await self.abort_turn([self.trajectories[traj_id]], task)
         return await self.finish(traj_id, None, "aborted")
 
-    async def abort_turn(self, traj: Trajectory, task: asyncio.Task, wait_s: float = 10.0) -> None:
-        """Abort `traj`'s running turn on the bus (the engine stops it and answers "abort") and wait for `task`,
-        the turn's, to end; cancelled only if no answer comes in `wait_s` (no engine holds it or will)."""
-        await traj.abort("gateway")
+    async def abort_turn(self, trajs: list[Trajectory], task: asyncio.Future, wait_s: float = 10.0) -> None:
+        """Abort the running turns of `trajs` on the bus (each engine stops its turn and answers "abort") and wait
+        for `task`, the turns', to end; cancelled only if no answer comes in `wait_s` (no engine holds it or will)."""
+        for traj in trajs:
+            await traj.abort("gateway")
         _, pending = await asyncio.wait({task}, timeout=wait_s)
         if pending:
             task.cancel()
