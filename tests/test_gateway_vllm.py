@@ -84,6 +84,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 def test_chat_on_vllm_returns_what_the_engine_sampled(up: Up) -> None:
     client = up.openai()
+    # `prorsa up --model` tells the gateway the model's window (the tiny Qwen2's 4096), so it refuses past it.
+    assert client.models.list().model_dump()["data"][0]["max_model_len"] == 4096
     h = {"X-Prorsa-Trajectory": "vllm-chat-1"}
     msgs: list[dict] = [{"role": "user", "content": "list the files please"}]
     turns = []

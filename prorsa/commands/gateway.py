@@ -13,9 +13,9 @@ from prorsa.gateway.tool_parser import PARSERS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = argparse.ArgumentDefaultsHelpFormatter
     p.formatter_class = d
-    p.add_argument("--nats", default=None, help="NATS server URL (default: $PRORSA_NATS_URL)")
+    p.add_argument("--nats", default=None, help="NATS server URL (when not given: $PRORSA_NATS_URL)")
     p.add_argument(
-        "--namespace", default=None, help="subject namespace (default: $PRORSA_NAMESPACE or prorsa)"
+        "--namespace", default=None, help="subject namespace (when not given: $PRORSA_NAMESPACE, else prorsa)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")

@@ -230,8 +230,12 @@ def _gateway_setup(args: argparse.Namespace) -> tuple[int | None, list[str], str
     """(gateway port or None, its arguments, a temporary tokenizer directory to remove or "")."""
     if args.gateway_port < 0:
         return None, [], ""
-    from prorsa.gateway.launch import default_tokenizer, free_port
+    from prorsa.gateway.launch import default_tokenizer, free_port, model_window
 
     tokenizer, temporary = (args.tokenizer, False) if args.tokenizer else default_tokenizer(args.model)
     port = args.gateway_port or free_port()
-    return port, ["--tokenizer", tokenizer], tokenizer if temporary else ""
+    extra = ["--tokenizer", tokenizer]
+    window = model_window(args.model) if args.model else None
+    if window:  # the gateway refuses a turn past the model's window itself, with a 400 that says so
+        extra += ["--max-model-len", str(window)]
+    return port, extra, tokenizer if temporary else ""

@@ -7,6 +7,7 @@ and `OPENAI_BASE_URL` (the gateway's `/v1`).
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -46,6 +47,16 @@ def write_trainer_env(secrets_dir: str | os.PathLike[str], key: str, base_url: s
         os.write(fd, "".join(kept + lines).encode())
     finally:
         os.close(fd)
+
+
+def model_window(model: str) -> int | None:
+    """The context window a Hugging Face model directory declares (`max_position_embeddings`), if it does."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
