@@ -83,6 +83,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
             if line.startswith("up:"):
                 break
         assert nats_url and base and "services healthy" in lines[-1], "".join(lines)
+        assert f"gateway: ok at {base}\n" in lines, "".join(lines)  # `up` waited for it to answer
         env = (secrets / "trainer.env").read_text()
         key = re.search(r"export OPENAI_API_KEY=(\S+)", env)
         assert key and f"export PRORSA_API_KEY={key.group(1)}" in env and f"OPENAI_BASE_URL={base}" in env

@@ -206,6 +206,14 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         print(format_health(replies), flush=True)
+        if system.gateway_url:
+            from prorsa.gateway.launch import wait_gateway
+
+            ok = wait_gateway(system.gateway_url, timeout_s, give_up=lambda: stop["now"])
+            print(
+                f"gateway: {'ok' if ok else 'not answering (see its log)'} at {system.gateway_url}",
+                flush=True,
+            )
         healthy = sum(1 for r in replies if r.status == "ok")
         print(f"up: {healthy}/{len(expected)} services healthy; Ctrl-C stops", flush=True)
         deadline = time.monotonic() + args.for_s if args.for_s else None

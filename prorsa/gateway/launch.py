@@ -13,6 +13,10 @@ import secrets
 import shutil
 import socket
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 KEY_FILE = "api_key"
@@ -47,6 +51,21 @@ def write_trainer_env(secrets_dir: str | os.PathLike[str], key: str, base_url: s
         os.write(fd, "".join(kept + lines).encode())
     finally:
         os.close(fd)
+
+
+def wait_gateway(base_url: str, timeout_s: float, give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Whether the gateway at `base_url` (its `/v1`) answers `/health` within `timeout_s` (wall)."""
+    url = base_url.removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not give_up():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (OSError, urllib.error.URLError):  # not listening yet (or not connected to the bus yet: 503)
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def model_window(model: str) -> int | None:
