@@ -164,9 +164,12 @@ class Gateway:
         if on_start is not None:
             on_start(traj)
         try:
-            return await self._generate(traj, prompt_ids, sampling, on_chunk)
-        finally:
-            await traj.finish()
+            turn = await self._generate(traj, prompt_ids, sampling, on_chunk)
+        except BaseException:  # refused, failed or cancelled: the tracker must not count it as finished
+            await asyncio.shield(traj.finish(status="aborted"))
+            raise
+        await traj.finish()
+        return turn
 
     async def _generate(
         self,
