@@ -80,3 +80,47 @@ def test_an_idle_session_is_closed(gateway: str) -> None:
         f"{gateway}/completions", json={"prompt": [1], "max_tokens": 1, "trajectory_id": "idle-1"}
     )
     assert late.status_code == 409 and late.json()["error"]["code"] == "session_finished", late.text
+
+
+async def test_a_stopping_gateway_aborts_its_running_turns_on_their_engines(
+    nats_server: EmbeddedNatsServer,
+) -> None:
+    """SIGTERM: the gateway aborts every running turn on its engine (which answers "abort" and acks it) before it
+    stops, instead of leaving engines to decode for clients nobody will answer."""
+    import proto
+    from proto import RequestFinished, Subjects
+    from tests.engine_agent_support import make_agent, wait_until
+
+    agent = make_agent(nats_server.url, "mix-0", "mixed", speedup=1.0)
+    await agent.start()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prorsa.gateway", "--nats", nats_server.url, "--port", str(port)]
+    )
+    finished: list[RequestFinished] = []
+
+    async def on_event(msg) -> None:  # noqa: ANN001
+        ev = proto.decode(msg.data, msg.subject)
+        if isinstance(ev, RequestFinished):
+            finished.append(ev)
+
+    try:
+        await asyncio.to_thread(_wait_http, f"http://127.0.0.1:{port}/health")
+        sub = await agent.nc.subscribe(Subjects().all_engine_events, cb=on_event)
+        body = {"prompt": list(range(1, 50)), "max_tokens": 20000, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    break  # the turn streams: stop the gateway under it
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 30)
+        await wait_until(lambda: bool(finished), timeout_s=10)
+        assert finished[0].finish_reason == "abort" and finished[0].output_tokens < 20000
+        await sub.unsubscribe()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await agent.stop()

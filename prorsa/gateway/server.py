@@ -56,7 +56,14 @@ async def serve(config: ServeConfig) -> None:
     if not config.http.api_key:
         log.warning("gateway_open", hint=f"set {API_KEY_ENV} to require an API key")
     app = build_app(gw, config.http)
-    server = uvicorn.Server(
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            aborted = await gw.abort_all()  # before uvicorn waits for (then cancels) the turns still running
+            log.info("gateway_stopping", turns_aborted=aborted)
+            await super().shutdown(sockets=sockets)
+
+    server = Server(
         uvicorn.Config(
             app,
             host=config.host,

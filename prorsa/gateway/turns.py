@@ -93,6 +93,8 @@ class Gateway:
         # session -> the publication of its tool call's start (off the response's path; awaited before its end)
         self._tool_started: dict[str, asyncio.Future] = {}
         self._aborting: set[asyncio.Future] = set()  # aborts on a stop string, held until published
+        # trajectories with a turn running, by id (what a stopping gateway aborts)
+        self.live: dict[str, Trajectory] = {}
 
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
@@ -183,6 +185,7 @@ class Gateway:
         if sampling.stop and self.tokenizer is not None:
             watch = self._stop_watch(traj, sampling.stop, self.tokenizer, on_chunk)
         self.metrics.in_flight.inc()
+        self.live[traj.traj_id] = traj
         try:
             result = await traj.generate(prompt_ids, sampling.params, on_chunk=watch)
         except GenerateError as exc:
@@ -192,6 +195,7 @@ class Gateway:
         except TimeoutError as exc:
             raise TurnError(504, "timeout", str(exc)) from exc
         finally:
+            self.live.pop(traj.traj_id, None)
             self.metrics.in_flight.dec()
         ids, logprobs, reason = list(result.token_ids), result.logprobs, result.finish_reason
         text = self.decode(ids)
@@ -316,6 +320,14 @@ class Gateway:
         await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
         self.metrics.sessions.set(len(self.sessions))
         return s
+
+    async def abort_all(self) -> int:
+        """A stopping gateway's last word: abort every running turn on its engine (answered "abort" to the clients
+        still connected), so no engine decodes on for a client nobody will answer. Returns how many."""
+        live = list(self.live.values())
+        for traj in live:
+            await traj.abort("gateway stopping")
+        return len(live)
 
     async def close_idle(self, now: float) -> list[str]:
         """Close, as aborted, every session idle past `config.session_idle_s` (an agent that never came back):
