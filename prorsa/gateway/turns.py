@@ -232,24 +232,28 @@ class Gateway:
         """A chunk callback that aborts the turn on its engine once the output holds a stop string, so the engine
         does not decode on to max_tokens for text that will be cut (`_generate` cuts at the stop either way)."""
         ids: list[int] = []
-        longest = max(len(s) for s in stops)
-        seen = {"text": 0, "aborted": False}
+        # Only the tail can complete a stop string that was not there before: decode the new ids and enough
+        # before them to hold the longest stop string (a token is at least one character but for ids outside the
+        # vocabulary, hence the margin), so a long output costs one short decode per chunk, not a whole one.
+        # A stop string missed here (all of it inside out-of-vocabulary ids) only delays the abort: the cut in
+        # `_generate` reads the whole output.
+        margin = 4 * max(len(s) for s in stops) + 8
+        aborted = False
 
         def watch(chunk: TokenChunk) -> None:
+            nonlocal aborted
             if on_chunk is not None:
                 on_chunk(chunk)
-            if seen["aborted"]:
+            if aborted:
                 return
             ids.extend(chunk.token_ids)
-            text = tokenizer.decode(ids)
-            # Only the tail can complete a stop string that was not there before.
-            if any(s in text[max(0, seen["text"] - longest) :] for s in stops):
-                seen["aborted"] = True
+            tail = tokenizer.decode(ids[-(len(chunk.token_ids) + margin) :])
+            if any(s in tail for s in stops):
+                aborted = True
                 self.metrics.aborts.labels(cause="stop").inc()
                 task = asyncio.ensure_future(traj.abort("stop string"))
                 self._aborting.add(task)
                 task.add_done_callback(self._aborting.discard)
-            seen["text"] = len(text)
 
         return watch
 
