@@ -53,6 +53,8 @@ class SystemConfig:
     model: str | None = None
     extra_engine_args: list[str] = field(default_factory=list)
     engine_roles: list[str] = field(default_factory=list)  # start-up role per engine (default: mixed)
+    # CUDA_VISIBLE_DEVICES per engine ("" or missing: inherited), from `prorsa.engine_layout.device_groups`
+    engine_devices: list[str] = field(default_factory=list)
     extra_service_args: dict[str, list[str]] = field(default_factory=dict)
     log_dir: str | None = None
     auth: bool = True  # embedded server: credentials and permissions for every role (see the module doc)
@@ -82,8 +84,9 @@ class System:
         self.secrets: BusSecrets | None = None
         self._own_secrets = False
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        # key -> (module, args, bus user): what a restart runs, with the same credentials
-        self.commands: dict[str, tuple[str, list[str], str]] = {}
+        # key -> (module, args, bus user, extra environment): what a restart runs, with the same credentials
+        # and devices
+        self.commands: dict[str, tuple[str, list[str], str, dict[str, str]]] = {}
         self.supervisor = supervisor or Supervisor()
         self.url = config.nats_url or ""
         self._dead: set[str] = set()  # exits already reported to the supervisor, restart pending
@@ -131,7 +134,9 @@ class System:
                 if i < len(self.config.engine_roles):
                     args += ["--role", self.config.engine_roles[i]]
                 user = self.secrets.engine_user(f"engine-{i}") if self.secrets is not None else ""
-                self._spawn(f"engine-{i}", "engine_agent", args, user)
+                devices = self.config.engine_devices[i] if i < len(self.config.engine_devices) else ""
+                env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
+                self._spawn(f"engine-{i}", "engine_agent", args, user, env)
         if self.config.gateway_port is not None:
             self._start_gateway()
         return self
@@ -172,8 +177,11 @@ class System:
             names += ["engine_agent"] * self.config.engines
         return names
 
-    def _spawn(self, key: str, module: str, args: list[str], user: str = "") -> None:
-        self.commands[key] = (module, args, user)
+    def _spawn(
+        self, key: str, module: str, args: list[str], user: str = "", extra_env: dict[str, str] | None = None
+    ) -> None:
+        extra_env = dict(extra_env or {})
+        self.commands[key] = (module, args, user, extra_env)
         cmd = [
             sys.executable,
             "-m",
@@ -184,7 +192,7 @@ class System:
             self.config.namespace,
             *args,
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
         if self.secrets is not None:  # this child's own credentials, none of this process's
             for var in CREDENTIAL_ENV.values():
                 env.pop(var, None)
@@ -226,8 +234,8 @@ class System:
                 self.embedded.start()  # same port and store: streams, consumers and unacked work survive
                 self.supervisor.started(key, time.monotonic())
             else:
-                module, args, user = self.commands[key]
-                self._spawn(key, module, args, user)
+                module, args, user, extra_env = self.commands[key]
+                self._spawn(key, module, args, user, extra_env)
             events.append(Restarted(key, self.supervisor.children[key].restarts))
         return events
 

@@ -9,6 +9,7 @@ import sys
 
 import msgspec
 
+from proto import context_log
 from proto.examples import EXAMPLES
 from proto.messages import SCHEMA_VERSION
 from proto.subjects import Subjects
@@ -66,6 +67,10 @@ def render() -> str:
         "gateway reports the lifecycle (tool calls included) for the client. Nothing of this page is needed.",
         "- **The Python SDK (`prorsa.client`)** for trainers in Python that want the bus without HTTP.",
         "- **The bus (this page)** for trainers in other languages that want to drive turns themselves.",
+        "Schema 2 (from 1): a `generate_request`'s `prompt_token_ids` are the ids after its first `prefix_len` "
+        "tokens, which come from an earlier turn's prompt (`prefix_turn`), resolved through the context log (below); "
+        "a client that sets neither sends the whole context as before. A version-1 reader would take a lean request "
+        "for the whole context, hence the new version: each side refuses the other's messages by name.",
         "",
         "## Subjects",
         "",
@@ -94,9 +99,9 @@ def render() -> str:
         "- **Encoding.** UTF-8 JSON objects. Integer fields must be JSON integers (`3`, not `3.0`); float fields take "
         "either. Optional fields (`?` below) may be omitted. Ids (`traj_id`, `request_id`, engine and client ids) "
         "are single subject tokens: 1-200 characters of `A-Z a-z 0-9 _ - :`.",
-        "- **Streams.** `ns.work.>` lives in the work-queue stream `<NS>_WORK` and `ns.lifecycle`, `ns.events.*` in "
-        "`<NS>_EVENTS` (`<NS>`: the namespace upper-cased, `-` and `:` as `_`; `PRORSA_WORK`, `PRORSA_EVENTS` by "
-        "default). The services create them at start-up; a client waits until both exist (a JetStream publish "
+        "- **Streams.** `ns.work.>` lives in the work-queue stream `<NS>_WORK`, `ns.lifecycle`, `ns.events.*` in "
+        "`<NS>_EVENTS` and `ns.ctx.>` in `<NS>_CONTEXT` (`<NS>`: the namespace upper-cased, `-` and `:` as `_`; "
+        "`PRORSA_WORK`, `PRORSA_EVENTS` by default). The services create them at start-up; a client waits until both exist (a JetStream publish "
         "before that has no responders) rather than creating them with a configuration of its own.",
         "- **Clock.** `ts_s` and `submitted_s` are Unix seconds times the cluster's time scale: 1 with real "
         "engines, `PRORSA_TIME_SCALE` (e.g. 20) on a cluster of simulated engines. A client with another clock "
@@ -110,10 +115,25 @@ def render() -> str:
         "call and whose `observation_tokens` counts what the tool appends; finally `trajectory_finished` with "
         "`turns` = turns generated. The tracker answers an event that breaks this order with an `error_reply` on "
         "`ns.errors`: subscribe there to see what the cluster refused.",
-        "- **A turn.** `request_id` = `<traj_id>:<turn>`; `prompt_token_ids` is the whole context and `prompt_len` "
-        "its length; leave `sim_output_tokens` and `sim_cacheable_tokens` at 0 (they are for simulated engines "
-        "replaying a recorded workload). Publish with `Nats-Msg-Id: <request_id>#<attempt>`. Subscribe to "
+        "- **A turn.** `request_id` = `<traj_id>:<turn>`; `prompt_len` is the whole context's length; leave "
+        "`sim_output_tokens` and `sim_cacheable_tokens` at 0 (they are for simulated engines replaying a recorded "
+        "workload). The simplest client sends the whole context in `prompt_token_ids` (`prefix_len` 0, "
+        "`context_logged` false) every turn; that costs bytes that grow with the square of the trajectory's length, "
+        "and a context past the server's max_payload (1 MiB by default: ~160k tokens of JSON) cannot be sent at all "
+        "(nor a decode handoff that carries it: a prefill engine fails such a turn at once, with an `error` saying so). "
+        "Publish with `Nats-Msg-Id: <request_id>#<attempt>`. Subscribe to "
         "`reply_to` before publishing: chunks are core NATS, and one sent before the subscription is lost.",
+        "- **The lean wire** (what the Python SDK does; see *The context log* below). Before publishing turn t, write "
+        "its segment to the context log: JetStream publishes on `ns.ctx.<traj_id>.<t>` (stream `<NS>_CONTEXT`), "
+        "with headers `Prorsa-Prefix-Turn`, `Prorsa-Prefix-Len`, `Prorsa-Tokens`, `Prorsa-Part: i/n` and a body of "
+        "unsigned 32-bit little-endian token ids, split into parts below max_payload. When the new prompt starts "
+        "with the previous turn's whole prompt, the reference is that turn and its length, and the segment is only "
+        "the ids after it; else the reference is 0/0 and the segment is the whole prompt. The `generate_request` "
+        "carries the same `prefix_turn` and `prefix_len`, `context_logged: true`, and the segment's ids in "
+        "`prompt_token_ids` — or none, when they are too many to inline (the engine reads them from the log). "
+        "When the trajectory ends, purge the stream's subject `ns.ctx.<traj_id>.>` (`$JS.API.STREAM.PURGE."
+        "<NS>_CONTEXT` with a `filter`). An engine that cannot rebuild a turn's prompt (its segments purged or "
+        "expired) fails the turn with an `error` saying so.",
         "- **Affinity.** The next turn goes to `ns.work.prefill.engine.<id>`, `<id>` being the final chunk's "
         "`prefill_engine` (else its `engine_id`), only while that engine's latest `engine_stats` (`ns.stats.<id>`, "
         "every second) is under 3 s old, its `role` is `prefill` or `mixed`, `switching` is false and `waiting` "
@@ -131,6 +151,15 @@ def render() -> str:
         "the tokens already streamed; the turn is never redelivered.",
         "- **Retries.** A turn with no chunk for a long while (the Python SDK waits 120 s) is republished with "
         "`attempt` + 1, hence a new `Nats-Msg-Id`; the first stream to complete is the result.",
+        "",
+        "## The context log",
+        "",
+        "```",
+        (sys.modules[context_log.__name__].__doc__ or "")
+        .split("Theory of operation. ", 1)[1]
+        .split("\n\nEverything here")[0]
+        .strip("\n"),
+        "```",
         "",
         "## Messages",
         "",

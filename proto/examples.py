@@ -40,13 +40,16 @@ _req = GenerateRequest(
     traj_id="traj-7",
     turn=3,
     prompt_token_ids=[151644, 872, 198, 3838],
-    prompt_len=4,
+    prompt_len=3108,
     sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7),
     reply_to="prorsa.reply.trainer-0",
     policy_version=12,
     task="coding",
     affinity_engine="engine-2",
     submitted_s=T0,
+    prefix_turn=2,
+    prefix_len=3104,
+    context_logged=True,
 )
 _q = Quantiles(q10=1200.0, q50=1800.0, q90=2500.0)
 
@@ -99,7 +102,7 @@ EXAMPLES: dict[type[Message], Message] = {
         first_token_id=1234,
         first_logprob=-0.7,
         kv_transfer_params={"remote_engine_id": "engine-0", "remote_block_ids": [1, 2]},
-        kv_tokens=4,
+        kv_tokens=3108,
         prefill_new_tokens=4,
         prefill_cached_tokens=0,
         handed_off_s=T0 + 0.1,

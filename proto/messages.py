@@ -22,7 +22,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-SCHEMA_VERSION = 1
+# 2: the lean wire (a turn's `prompt_token_ids` are the ids after `prefix_len` tokens of an earlier turn's
+# prompt, resolved from the context log: `proto/context_log.py`). A version-1 reader would take them for the whole
+# context, hence the bump.
+SCHEMA_VERSION = 2
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
@@ -111,10 +114,11 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     request_id: Id  # unique per attempt-independent turn: `<traj_id>:<turn>`; retries reuse it
     traj_id: Id
     turn: NonNegInt
-    prompt_token_ids: list[
-        int
-    ]  # whole context; may be empty for the simulated backend (then prompt_len counts)
-    prompt_len: NonNegInt  # len(prompt_token_ids) when ids are sent
+    # The ids of the prompt after its first `prefix_len` tokens (the whole context when `prefix_len` is 0). Empty:
+    # either the simulated backend's count-only turn (then prompt_len counts), or, with `context_logged`, ids too
+    # many to send inline, read from the context log instead.
+    prompt_token_ids: list[int]
+    prompt_len: NonNegInt  # the whole context: prefix_len + len(prompt_token_ids) when ids are sent
     sampling: SamplingParams
     reply_to: str  # subject the engine streams `TokenChunk`s and the final result to
     policy_version: Counter = 0
@@ -132,6 +136,13 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # from `next_chunk_index`, so the client sees one gap-free stream.
     resume_token_ids: list[int] = []
     next_chunk_index: NonNegInt = 0
+    # Lean wire (schema 2; `proto/context_log.py`). The prompt starts with the first `prefix_len` tokens of the prompt
+    # of this trajectory's turn `prefix_turn` (an earlier turn whose segment is in the context log); 0: no prefix.
+    prefix_turn: NonNegInt = 0
+    prefix_len: NonNegInt = 0
+    # True: the client wrote this turn's segment (its prefix reference and the ids after it) to the context log at
+    # `ns.ctx.<traj_id>.<turn>` before publishing, so a later turn may refer to it and any engine can rebuild it.
+    context_logged: bool = False
 
 
 class DecodeHandoff(Message, frozen=True, kw_only=True):
@@ -296,6 +307,14 @@ class EngineStats(Message, frozen=True, kw_only=True):
     # The performance profile it runs as — a built-in name or a profile file written by `prorsa profile` — so the
     # allocator plans with the engines it has ("" = not known).
     profile: str = ""
+    # Prompts addressed to it (prefix affinity: `Subjects.prefill_work_for`) that it has not pulled yet. `waiting`
+    # counts only what it pulled, at most a prefill budget's worth; the addressed backlog beyond is invisible there
+    # and grew to 70+ prompts on two of five prefill engines while three idled (docs/benchmarks.md, "The
+    # allocator at high concurrency"). Clients count both before addressing a turn to it.
+    addressed_waiting: NonNegInt = 0
+    # Roles a switch to which restarts the engine (their layout differs: `--role-engine-arg`), so a planner can price
+    # such a switch as an engine start, not an in-place one ([] = every switch is in place).
+    restart_roles: list[Role] = []
 
 
 class RoleSwitchCommand(Message, frozen=True, kw_only=True):

@@ -21,6 +21,9 @@ Subjects (ns = namespace):
   ns.abort                         AbortRequest: stop a turn on whichever engine holds it (core NATS)
   ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.;
                                    kept for minutes: stream REPLIES)
+  ns.ctx.<traj_id>.<turn>          the context log: each turn's prompt segment, written by the client before
+                                   the turn, read by engines that lack the prompt (stream CONTEXT;
+                                   proto/context_log.py)
 
 Object store NS_TRACKER (`tracker_checkpoint_bucket`): the trajectory tracker's own checkpoints, so a restarted
 tracker replays only the end of EVENTS. Not a channel between services: only the tracker role may touch it.
@@ -60,6 +63,14 @@ class Subjects:
     @property
     def replies_stream(self) -> str:
         return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_REPLIES"
+
+    @property
+    def context_stream(self) -> str:
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_CONTEXT"
+
+    @property
+    def context_stream_subjects(self) -> list[str]:
+        return [f"{self.namespace}.ctx.>"]
 
     @property
     def tracker_checkpoint_bucket(self) -> str:
@@ -145,6 +156,14 @@ class Subjects:
     @property
     def errors(self) -> str:
         return f"{self.namespace}.errors"
+
+    def context(self, traj_id: str, turn: int) -> str:
+        """The context-log subject of one turn's prompt segment."""
+        return f"{self.namespace}.ctx.{check_token(traj_id, 'trajectory id')}.{int(turn)}"
+
+    def context_of(self, traj_id: str) -> str:
+        """Every context-log subject of one trajectory (a filter: read it whole, purge it when it finishes)."""
+        return f"{self.namespace}.ctx.{check_token(traj_id, 'trajectory id')}.>"
 
     def reply(self, client_id: str) -> str:
         return f"{self.namespace}.reply.{check_token(client_id, 'client id')}"

@@ -287,11 +287,11 @@ HOSTILE = [
     b"[]",
     b'{"type": "engine_stats"}',
     b'{"type": "engine_stats", "schema_version": 99, "engine_id": "x", "ts_s": 1, "role": "prefill", "epoch": 0}',
-    b'{"type": "health_request", "schema_version": 1}',
-    b'{"type": "engine_stats", "schema_version": 1, "engine_id": "e0", "ts_s": 1e300, "role": "decode", "epoch": 0}',
-    b'{"type": "engine_stats", "schema_version": 1, "engine_id": "zz", "ts_s": 1, "role": "decode", "epoch": -1}',
-    b'{"type": "role_switch_ack", "schema_version": 1, "engine_id": "e0", "epoch": 1e40, "role": "decode", "ok": 1}',
-    b'{"type": "demand_forecast", "schema_version": 1, "ts_s": 0, "predictor": "x", "horizons": [{"horizon_s": -1}]}',
+    b'{"type": "health_request", "schema_version": 2}',
+    b'{"type": "engine_stats", "schema_version": 2, "engine_id": "e0", "ts_s": 1e300, "role": "decode", "epoch": 0}',
+    b'{"type": "engine_stats", "schema_version": 2, "engine_id": "zz", "ts_s": 1, "role": "decode", "epoch": -1}',
+    b'{"type": "role_switch_ack", "schema_version": 2, "engine_id": "e0", "epoch": 1e40, "role": "decode", "ok": 1}',
+    b'{"type": "demand_forecast", "schema_version": 2, "ts_s": 0, "predictor": "x", "horizons": [{"horizon_s": -1}]}',
     b"{" * 10_000,
 ]
 

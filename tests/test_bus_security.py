@@ -293,7 +293,7 @@ async def test_the_anonymous_attacks_of_issue_14_fail(secure_engine) -> None:
 
     await trainer.subscribe("prorsa.errors", cb=on_error)
     hostile = [
-        b'{"type":"policy_version_update","schema_version":1,"version":%d,"ts_s":0.0,'
+        b'{"type":"policy_version_update","schema_version":2,"version":%d,"ts_s":0.0,'
         b'"weights_path":"/etc/hostile-weights"}' % 2**63,
         proto.encode(PolicyVersionUpdate(version=7, ts_s=0.0, weights_path="/etc/hostile-weights")),
         proto.encode(PolicyVersionUpdate(version=8, ts_s=0.0, weights_path="../../etc/passwd")),

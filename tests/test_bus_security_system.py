@@ -52,7 +52,16 @@ async def test_a_system_with_credentials_runs_turns_for_a_trainer(tmp_path, monk
         await traj.tool_started("bash")
         await traj.tool_finished("bash", observation_tokens=10)
         await traj.finish(reward=1.0)
-        assert client.bad_messages == 0
+        # The lean wire within the grants: the trainer writes and purges the context log, the engines read it
+        # (no segment inline, so every turn's engine reads the log).
+        client.inline_max_tokens = 0
+        lean = await client.start_trajectory(task="coding")
+        prompt = list(range(1, 601))
+        for _ in range(2):
+            out = await lean.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True), timeout_s=60)
+            prompt = prompt + out.token_ids + list(range(1, 51))
+        await lean.finish(reward=1.0)
+        assert client.bad_messages == 0 and client.context_bytes == 4 * (600 + 12 + 50)
         await client.close()
     finally:
         system.stop()

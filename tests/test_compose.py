@@ -226,3 +226,26 @@ def test_grafana_is_provisioned_with_the_dashboard_and_its_datasource() -> None:
     for panel in board["panels"]:
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == source["uid"] and target["expr"]
+
+
+def test_gpu_engines_each_get_their_own_devices_and_layout() -> None:
+    from services.engine_agent.engine_args import load_engine_args, parallel_sizes
+
+    gpu = yaml.safe_load((ROOT / "docker" / "compose.gpu.yaml").read_text())
+    engines = {name: svc for name, svc in gpu["services"].items() if name.startswith("engine-gpu-")}
+    assert len(engines) >= 2
+    devices: list[str] = []
+    ids = set()
+    for svc in engines.values():
+        command = svc["command"]
+        assert command[0] == "services.engine_agent" and command[command.index("--backend") + 1] == "vllm"
+        ids.add(command[command.index("--engine-id") + 1])
+        (request,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        devices += request["device_ids"]
+        assert svc["network_mode"] == "host"  # NIXL side channels reachable from other nodes
+        args_file = command[command.index("--engine-args-file") + 1].replace(
+            "/etc/prorsa/engine-args", "engine-args"
+        )
+        tp, pp, dp = parallel_sizes(load_engine_args(str(ROOT / "docker" / args_file), []))
+        assert tp * pp * dp == len(request["device_ids"])  # the layout uses exactly its devices
+    assert len(ids) == len(engines) and len(set(devices)) == len(devices)  # nothing shared

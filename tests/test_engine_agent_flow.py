@@ -257,3 +257,30 @@ async def test_the_last_chunk_does_not_wait_out_the_chunk_interval(nats_server, 
         watcher.assert_exact_stream("ci0", 50)
     finally:
         await agent.stop()
+
+
+async def test_stats_count_the_prompts_addressed_to_an_engine_that_it_has_not_pulled(nats_server, nc) -> None:
+    """The affinity rule reads `waiting + addressed_waiting`: prompts addressed to a busy engine wait in its own
+    queue on the bus, unseen by `waiting` (what it pulled), so the agent reports that backlog too."""
+    from prorsa.client.directory import EngineDirectory
+
+    seen: list[EngineStats] = []
+
+    async def on_stats(msg: Any) -> None:
+        seen.append(proto.decode(msg.data, EngineStats))
+
+    await nc.subscribe(S.engine_stats("backlog-0"), cb=on_stats)
+    agent = make_agent(nats_server.url, "backlog-0", "mixed")
+    await agent.start()
+    try:
+        agent.puller.pause("test")  # it pulls nothing: what is addressed to it stays on the bus
+        await agent.puller.wait_idle()
+        for i in range(12):
+            await publish_work(nc, S.prefill_work_for("backlog-0"), request(f"b{i}", max_tokens=4))
+        await wait_until(lambda: bool(seen) and seen[-1].addressed_waiting == 12, 10.0)
+        assert not EngineDirectory().accepts(seen[-1])  # 12 queued for it: a turn goes to the shared queue
+        agent.puller.resume("test")
+        await wait_until(lambda: seen[-1].addressed_waiting == 0, 20.0)
+        assert EngineDirectory().accepts(seen[-1])
+    finally:
+        await agent.stop()

@@ -13,6 +13,8 @@ import pytest
 from proto import DecodeHandoff, GenerateRequest, Message, RequestFinished, Subjects, TokenChunk
 from services.engine_agent.backend import BackendError
 from services.engine_agent.backends.sim_backend import SimBackend
+from services.engine_agent.context_cache import ContextCache
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.runner import JobRunner
 from services.runtime.model_profiles import load_profile
 from tests.engine_agent_support import expected_ids, request, wait_until
@@ -43,6 +45,10 @@ class FakeMsg:
         self.acks.append("wip")
 
 
+def _no_bus() -> Any:
+    raise AssertionError("a request with its whole prompt read the context log")
+
+
 class FakeAgent:
     """Just enough of EngineAgent for a JobRunner: records what would be published."""
 
@@ -50,6 +56,8 @@ class FakeAgent:
         self.engine_id = "fake-0"
         self.subjects = Subjects()
         self.backend = backend
+        # These requests carry their whole prompt: the resolver never reads a context log (no bus here).
+        self.contexts = ContextResolver(_no_bus, Subjects(), ContextCache())
         self.clock = backend.clock
         self.policy_version = 3
         self.log = SimpleNamespace(

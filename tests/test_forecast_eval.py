@@ -132,7 +132,9 @@ def test_progress_between_reports_is_interpolated_and_waits_for_the_report() -> 
 
 
 def test_a_perfect_predictor_scores_zero() -> None:
-    """The simulator is deterministic: a stub that answers with the first run's realised demand is perfect."""
+    """The simulator is deterministic: a stub that answers with the first run's realised demand is perfect. Its
+    forecasts pass through the demand bound like every predictor's (services/forecaster/bounds.py): the truth
+    is physically possible, so the bound never clips it."""
     truth = run_forecast_eval(SimConfig(**SHORT), FAST)
 
     class Oracle(Predictor):
@@ -152,6 +154,9 @@ def test_a_perfect_predictor_scores_zero() -> None:
         assert row["decode_wape"] == pytest.approx(0.0, abs=1e-9)
         assert row["coverage90"] == row["coverage80"] == 1.0
     assert result.scores["naive"][1]["prefill_wape"] > 0.1  # the scoring can fail
+    exceeded = result.bound_exceeded()
+    assert exceeded["prefill_share"] == exceeded["decode_share"] == 0.0
+    assert 0.0 < exceeded["prefill_max_ratio"] <= 1.0 and 0.0 < exceeded["decode_max_ratio"] <= 1.0
 
 
 def test_ensemble_members_are_scored_as_standalone_predictors() -> None:

@@ -17,7 +17,7 @@ from proto import (
     TurnSubmitted,
 )
 from services.forecaster.base import REGISTRY, make_predictor
-from services.forecaster.calibration import Calibrator
+from services.forecaster.calibration import K_MAX, Calibrator
 from services.forecaster.core import ForecasterCore
 from services.forecaster.series import METRICS, SeriesPoint
 from services.forecaster.steps import StepLearner
@@ -153,7 +153,10 @@ def test_calibrator_leaves_the_median_alone_and_ignores_other_horizons() -> None
         cal.adjust(float(k), (5.0,), {m: [(0.0, 10.0, 20.0)] for m in METRICS})
     out = cal.adjust(41.0, (5.0, 7.0), {m: [(0.0, 10.0, 20.0), (1.0, 2.0, 3.0)] for m in METRICS})
     assert all(row[0][1] == 10.0 and row[1][1] == 2.0 for row in out.values())
-    assert out["prefill_tokens"][0][2] > 4000.0  # actual 5 000 every time: the band moved up to it
+    # Actual 5 000 every time, 500x the model's median: the band moves up, by the bounded rule — at most K_MAX
+    # times the model's half-width or the floor f S (S = 5 000: the floor is 250), never further.
+    q10, q50, q90 = out["prefill_tokens"][0]
+    assert q90 == pytest.approx(10.0 + K_MAX * 0.05 * 5000.0) and q10 == q50 == 10.0
 
 
 def test_step_learner_predicts_the_next_step_after_one_boundary() -> None:

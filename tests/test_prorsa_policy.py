@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from proto import LifecycleSnapshot, TrajectoryFeatures
+from services.allocator.capacity import CapacityModel
 from services.allocator.policies.common import Split, make_capacity
-from services.allocator.policies.turn_model import TurnShape, projected_turns, turn_time
+from services.allocator.policies.turn_model import TurnShape, cache_hit_share, projected_turns, turn_time
 from services.allocator.policy import ClusterView, EngineView, PolicyError
 from services.allocator.registry import make_policy
 
@@ -94,6 +96,27 @@ def test_a_turn_sent_away_misses_only_where_another_engine_can_take_it() -> None
     )
     # Two engines: half the turns sent away miss, enough to hold the loop on its congested branch.
     assert two_queued.prefill_s > 3 * two.prefill_s and two_queued.turn_s > 1.3 * two.turn_s
+
+
+def test_lru_keeps_everything_within_capacity_and_capacity_over_working_set_beyond() -> None:
+    assert cache_hit_share(1_000, 800) == 1.0
+    assert cache_hit_share(1_000, 4_000) == pytest.approx(0.25)
+    assert cache_hit_share(-5, 4_000) == 0.0  # running work left no room at all
+
+
+def test_prefixes_past_the_kv_capacity_cost_whole_context_recomputes() -> None:
+    """A working set of cached prefixes larger than the prefill engines' KV (128 trajectories of 40k tokens on two
+    engines of 1M tokens) makes a share of turns recompute their whole context; one that fits costs nothing more
+    than with an unbounded cache. Decode is far from its KV limit in both, so only the prefix caches differ."""
+    base = make_capacity("deepseek-v3.2")
+    tight = CapacityModel(dataclasses.replace(base.profile, kv_capacity_tokens=1_000_000))
+    roomy = CapacityModel(dataclasses.replace(base.profile, kv_capacity_tokens=100_000_000))
+    split = Split(2, 6)
+    over = [turn_time(split, PREFILL_HEAVY, 128, c) for c in (tight, roomy)]
+    assert 128 * PREFILL_HEAVY.context_tokens / 2 > 2.5 * 1_000_000
+    assert over[0].prefill_s > 1.4 * over[1].prefill_s and over[0].turn_s > 1.3 * over[1].turn_s
+    fits = [turn_time(split, PREFILL_HEAVY, 16, c) for c in (tight, roomy)]
+    assert fits[0].turn_s == pytest.approx(fits[1].turn_s, rel=1e-3)
 
 
 def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import proto
-from proto import SCHEMA_VERSION, ProtoError, Subjects, TurnSubmitted
+from proto import SCHEMA_VERSION, GenerateRequest, ProtoError, Subjects, TurnSubmitted
 from proto.examples import EXAMPLES
 from proto.messages import ALL_MESSAGES
 
@@ -39,6 +39,19 @@ def test_wrong_schema_version_is_rejected(msg: proto.Message) -> None:
         proto.decode(json.dumps(payload).encode(), "prorsa.x")
     assert info.value.kind == "schema_version" and info.value.field == "schema_version"
     assert "prorsa.x" in str(info.value)
+
+
+def test_a_schema_1_turn_is_refused_by_name() -> None:
+    """A whole-context request of schema 1 (before the lean wire): refused, saying which version each side speaks."""
+    payload = json.loads(proto.encode(EXAMPLES[GenerateRequest]))
+    for lean_field in ("prefix_turn", "prefix_len", "context_logged"):
+        del payload[lean_field]
+    payload["schema_version"] = 1
+    with pytest.raises(
+        ProtoError, match=r"schema version 1 is not supported \(this build speaks 2\)"
+    ) as info:
+        proto.decode(json.dumps(payload).encode(), "prorsa.work.prefill.any", GenerateRequest)
+    assert info.value.kind == "schema_version"
 
 
 def test_field_error_names_subject_and_field() -> None:

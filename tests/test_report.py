@@ -10,6 +10,7 @@ import pytest
 
 from prorsa.cli import main
 from prorsa.report import from_live, from_sim_json, write_report
+from prorsa.report.model import Forecasts, Windows, band_coverage
 from prorsa.rollout.live import LiveResult
 from prorsa.rollout.recorder import Recorder
 from prorsa.sim import SimConfig, run_simulation
@@ -135,8 +136,13 @@ def test_a_live_recording_becomes_plots(tmp_path: Path, chromium: str) -> None:
     assert max(run.windows.prefill_capacity) > 0 and run.completed == 3
     # 200 new tokens every 0.5 s: the realised prefill demand is 400 tokens/s wherever the series covers.
     assert run.windows.mean_rate(run.windows.prefill_demand, 2.0, 5.0) == pytest.approx(400.0)
+    # The band (60..100 tokens/s) holds neither the realised prefill (400 tokens/s) nor decode: the caption says so.
+    assert run.forecasts is not None
+    cover = band_coverage(run.forecasts, run.windows)
+    assert cover["prefill"][0] == 0.0 and cover["prefill"][1] > 20 and cover["decode"][0] == 0.0
     report = write_report(str(tmp_path), "live.html", "live", [run], [])
     assert report.notices == []
+    assert "realised within it (nominal 80 %): prefill 0% of" in Path(report.path).read_text()
     shown = render(chromium, Path(report.path))
     assert shown.console == []
     assert set(shown.plots.values()) == {"figure"} and len(shown.plots) == 4
@@ -159,3 +165,20 @@ def test_a_live_run_that_recorded_nothing_says_so(tmp_path: Path) -> None:
     assert report.notices == ["prorsa: no trajectory completed, so it has no trajectory times"]
     page = Path(report.path).read_text()
     assert page.count('class="missing"') == 4 and "<svg" not in page
+
+
+def test_band_coverage_counts_realised_rates_within_the_band() -> None:
+    """Realised 100 tokens/s throughout; bands alternately around it and above it: half of them hold it. Forecasts
+    whose horizon runs past the windows are not scored."""
+    w = Windows(
+        window_s=1.0,
+        t_s=[float(k) for k in range(20)],
+        prefill_demand=[100.0] * 20,
+        prefill_computed=[0.0] * 20,
+        decode=[100.0] * 20,
+    )
+    ts = [float(k) for k in range(20)]
+    low = [90.0 if k % 2 == 0 else 150.0 for k in range(20)]
+    band = (low, [110.0] * 20, [200.0] * 20)
+    cover = band_coverage(Forecasts(t_s=ts, horizon_s=[5.0] * 20, prefill=band, decode=band), w)
+    assert cover == {"prefill": (0.5, 16), "decode": (0.5, 16)}

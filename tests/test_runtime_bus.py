@@ -12,7 +12,7 @@ from nats.js.api import ConsumerConfig
 import proto
 from proto import ErrorReply, GenerateRequest, HealthReply, HealthRequest, Subjects
 from proto.examples import EXAMPLES
-from services.runtime.bus import ensure_streams
+from services.runtime.bus import MessageTooLarge, check_size, ensure_streams, max_payload_bytes
 from services.runtime.nats_server import EmbeddedNatsServer
 from services.runtime.service import Service
 
@@ -57,7 +57,7 @@ async def test_bad_input_is_answered_counted_and_survived(nats_server: EmbeddedN
         err = proto.decode_as(reply.data, ErrorReply)
         assert err.kind == "decode" and err.subject == "prorsa.test.in"
         bad_version = proto.encode(EXAMPLES[HealthRequest]).replace(
-            b'"schema_version":1', b'"schema_version":9'
+            b'"schema_version":2', b'"schema_version":9'
         )
         err = proto.decode_as((await nc.request("prorsa.test.in", bad_version, timeout=2)).data, ErrorReply)
         assert err.kind == "schema_version" and err.field == "schema_version"
@@ -139,7 +139,13 @@ async def test_streams_are_created_idempotently(nc) -> None:
     await ensure_streams(js, Subjects())
     await ensure_streams(js, Subjects("other-cluster"))
     names = {s.config.name for s in await js.streams_info()}
-    assert {"PRORSA_WORK", "PRORSA_EVENTS", "OTHER_CLUSTER_WORK", "OTHER_CLUSTER_EVENTS"} <= names
+    assert {
+        "PRORSA_WORK",
+        "PRORSA_EVENTS",
+        "PRORSA_CONTEXT",
+        "OTHER_CLUSTER_WORK",
+        "OTHER_CLUSTER_CONTEXT",
+    } <= names
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM"])
@@ -150,3 +156,20 @@ async def test_run_stops_gracefully_on_request(nats_server: EmbeddedNatsServer, 
     svc.request_stop()
     await asyncio.wait_for(task, 10)
     assert svc.nc is not None and svc.nc.is_closed
+
+
+async def test_the_payload_limit_is_a_setting_the_server_and_its_clients_share(monkeypatch) -> None:
+    monkeypatch.setenv("PRORSA_MAX_PAYLOAD", str(4 << 20))
+    assert max_payload_bytes() == 4 << 20
+    with EmbeddedNatsServer() as srv:
+        nc = await nats.connect(srv.url)
+        try:
+            assert nc.max_payload == 4 << 20  # what the server announces, and what clients check against
+            with pytest.raises(MessageTooLarge, match="exceeds the server's max_payload of 4194304"):
+                check_size("prorsa.work.prefill.any", b"x" * ((4 << 20) + 1), nc.max_payload)
+        finally:
+            await nc.close()
+    for bad in ("lots", "1"):  # not a number; below 64 KiB
+        monkeypatch.setenv("PRORSA_MAX_PAYLOAD", bad)
+        with pytest.raises(ValueError, match="PRORSA_MAX_PAYLOAD"):
+            max_payload_bytes()

@@ -105,6 +105,12 @@ def test_the_affinity_check_is_the_clients():
     assert not directory.accepts(stats("prefill", directory.max_waiting + 1))  # a long queue: go shared
     assert not directory.accepts(stats("decode", 0))
     assert not directory.accepts(stats("mixed", 0, switching=True))
+    # What waits for it on the bus, addressed and not pulled, counts as much as what it pulled.
+    backlog = EngineStats(engine_id="e", ts_s=0.0, role="prefill", epoch=0, waiting=1, addressed_waiting=8)
+    assert not directory.accepts(backlog)
+    # A long context is worth waiting for: recomputing 60k tokens elsewhere costs 25 prompts of its 2.4k new ones.
+    assert directory.accepts(backlog, worth_prompts=60_000 / 2_400)
+    assert not directory.accepts(stats("prefill", 26), worth_prompts=60_000 / 2_400)
 
 
 def test_decode_engines_with_room_take_handoffs_in_turn():

@@ -22,6 +22,7 @@ from proto import (
 )
 
 T0 = 1_780_000_000.0
+OTHER_VERSION = proto.SCHEMA_VERSION + 1  # a peer of a newer contract
 
 
 def wire(msg: proto.Message) -> proto.Message:
@@ -148,7 +149,7 @@ def test_plan_phases_switches_and_services() -> None:
 def test_bad_input_is_counted_and_named_never_raised() -> None:
     s = TopState()
     other = json.loads(proto.encode(EngineStats(engine_id="e0", ts_s=T0, role="mixed", epoch=0)))
-    other["schema_version"] = 2
+    other["schema_version"] = OTHER_VERSION
     for _ in range(3):
         with pytest.raises(ProtoError) as err:
             proto.decode(json.dumps(other).encode(), "prorsa.stats.e0", EngineStats)
@@ -160,7 +161,9 @@ def test_bad_input_is_counted_and_named_never_raised() -> None:
     assert len(v.problems) == 2 and v.problems[0].startswith(
         "3 × prorsa.stats: a peer speaks another schema version"
     )
-    assert "schema version 2" in v.problems[0] and v.problems[1].startswith("1 × prorsa.allocator: decode")
+    assert f"schema version {OTHER_VERSION}" in v.problems[0] and v.problems[1].startswith(
+        "1 × prorsa.allocator: decode"
+    )
     assert not v.heard and v.engines == []
 
 
@@ -170,12 +173,16 @@ def test_startup_problem_names_what_is_wrong() -> None:
     reply = json.loads(
         proto.encode(HealthReply(service="allocator", instance_id="a", status="ok", uptime_s=1, ts_s=T0))
     )
-    reply["schema_version"] = 2
+    reply["schema_version"] = OTHER_VERSION
     with pytest.raises(ProtoError) as err:
         proto.decode(json.dumps(reply).encode(), "_INBOX.x", HealthReply)
     s.reject("_INBOX.x", err.value)
     problem = s.startup_problem()
-    assert problem is not None and "another wire format" in problem and "schema version 2" in problem
+    assert (
+        problem is not None
+        and "another wire format" in problem
+        and f"schema version {OTHER_VERSION}" in problem
+    )
 
 
 @pytest.mark.parametrize("path", ["prorsa/top/state.py", "prorsa/top/render.py"])

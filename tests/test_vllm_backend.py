@@ -24,7 +24,12 @@ import pytest_asyncio  # noqa: E402
 from proto import DecodeHandoff, GenerateRequest, SamplingParams  # noqa: E402
 from services.engine_agent.backend import KvUnavailable  # noqa: E402
 from services.engine_agent.backends.vllm_backend import VllmBackend  # noqa: E402
-from services.engine_agent.backends.vllm_engine import EngineChunk, VllmEngineConfig  # noqa: E402
+from services.engine_agent.backends.vllm_engine import (  # noqa: E402
+    COMPAT_KEY,
+    EngineChunk,
+    VllmEngineConfig,
+)
+from services.engine_agent.kv_host import KvHostError, address_towards  # noqa: E402
 from services.engine_agent.tiny_model import build_tiny_qwen2  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -36,11 +41,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _config(model: str, engine_id: str) -> VllmEngineConfig:
+def _second_address() -> str:
+    """An address of this host other than 127.0.0.1: its address facing the network, else another loopback one
+    (Linux answers on all of 127.0.0.0/8). Engine A's KV side channel listens there, B's on 127.0.0.1, so every
+    handoff between them crosses from one address to another, as between two hosts."""
+    try:
+        return address_towards("192.0.2.10")  # TEST-NET-1: only the route is looked up, nothing is sent
+    except KvHostError:
+        return "127.0.0.2"
+
+
+def _config(model: str, engine_id: str, nixl_host: str = "127.0.0.1") -> VllmEngineConfig:
     return VllmEngineConfig(
         model_path=model,
         engine_id=engine_id,
         nixl_port=_free_port(),
+        nixl_host=nixl_host,
         dtype="float32",  # tight comparisons between engines (see tiny_model)
         kv_cache_bytes=64 << 20,  # 16k tokens at 4 KiB/token
         max_model_len=1024,
@@ -56,7 +72,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(models: tuple[str, str]) -> AsyncIterator[tuple[VllmBackend, VllmBackend]]:
-    a = VllmBackend(_config(models[0], "engine-a"))
+    a = VllmBackend(_config(models[0], "engine-a", nixl_host=_second_address()))
     b = VllmBackend(_config(models[0], "engine-b"))
     try:
         await a.start()
@@ -132,6 +148,8 @@ async def test_disaggregated_turn_matches_colocated(engines: tuple[VllmBackend, 
     handoff = await a.engine.prefill_for_remote_decode("disagg", prompt, temperature=0.0, ignore_eos=True)
     assert handoff.first_token_id == colocated[0]
     assert handoff.kv_transfer_params["remote_engine_id"] == "engine-a"
+    # B pulls from A's side channel on the other address of this host ("another host").
+    assert handoff.kv_transfer_params["remote_host"] == a.engine.config.nixl_host != "127.0.0.1"
     decoded, decoded_lp, last = await _collect(
         b.engine.decode_from_remote(
             "disagg",
@@ -177,6 +195,22 @@ async def test_protocol_prefill_then_decode_continues_the_sampled_turn(
     assert [res.first_token_id, *rest] == colocated
 
 
+async def test_stats_report_measured_kv_and_the_prefix_cache(
+    engines: tuple[VllmBackend, VllmBackend],
+) -> None:
+    _, b = engines
+    prompt = _prompt(8)
+    busy = None
+    produced = 0
+    async for chunk in b.generate(_request("cache-me:0", prompt, 200, temperature=1.0)):
+        produced += len(chunk.token_ids)
+        if busy is None and produced >= 20:
+            busy = b.stats()  # mid-stream: the engine's own KV use (vLLM's blocks), not a reservation
+    assert busy is not None and busy.kv_measured and 0 < busy.kv_used_tokens <= busy.kv_capacity_tokens
+    # The trajectory's context (prompt + 200 outputs) is now counted as what a role switch would throw away.
+    assert b.stats().prefix_cache_tokens >= len(prompt) + 200
+
+
 async def test_decode_from_an_unreachable_prefill_engine_raises_kv_unavailable(
     engines: tuple[VllmBackend, VllmBackend],
 ) -> None:
@@ -185,6 +219,17 @@ async def test_decode_from_an_unreachable_prefill_engine_raises_kv_unavailable(
     params = {**handoff.kv_transfer_params, "remote_engine_id": "nobody", "remote_port": _free_port()}
     with pytest.raises(KvUnavailable):
         await _collect(b.engine.decode_from_remote("gone", _prompt(5), params, 4, seed=handoff.seed))
+
+
+async def test_kv_from_an_incompatible_engine_is_refused_before_any_transfer(
+    engines: tuple[VllmBackend, VllmBackend],
+) -> None:
+    a, b = engines
+    handoff = await a.engine.prefill_for_remote_decode("other", _prompt(7), temperature=0.0, ignore_eos=True)
+    assert handoff.kv_transfer_params[COMPAT_KEY] == a.engine.compat == b.engine.compat
+    params = {**handoff.kv_transfer_params, COMPAT_KEY: "another-vllm-or-model"}
+    with pytest.raises(KvUnavailable, match="incompatible"):
+        await _collect(b.engine.decode_from_remote("other", _prompt(7), params, 4, seed=handoff.seed))
 
 
 async def test_abort_ends_the_stream(engines: tuple[VllmBackend, VllmBackend]) -> None:

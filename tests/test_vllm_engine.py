@@ -64,8 +64,10 @@ def test_engine_env(is_cpu: bool, threads: int | None, omp: str | None) -> None:
         VllmEngineConfig(model_path="m", engine_id="e", nixl_port=5777, cpu_threads=threads), is_cpu
     )
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5777"
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] is None  # kv_cache_bytes wins over the legacy variable
+    # CPU workarounds on CPU only (a GPU engine runs vLLM's own executor; see test_engine_args)
+    assert env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == ("0" if is_cpu else None)
+    if is_cpu:
+        assert env["VLLM_CPU_KVCACHE_SPACE"] is None  # kv_cache_bytes wins over the legacy variable
     assert env.get("OMP_NUM_THREADS") == omp
 
 
@@ -162,7 +164,9 @@ async def test_the_kv_lease_is_read_on_the_shared_clock_when_it_is_compressed() 
 
 
 class _FailingLlm:
-    """An AsyncLLM whose every call raises `exc`."""
+    """An AsyncLLM whose every call raises `exc` (its engine core alive: `errored` False)."""
+
+    errored = False
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -200,3 +204,11 @@ async def test_engine_failures_become_backend_errors_and_our_bugs_propagate(
     with pytest.raises(TypeError):  # our bug: not disguised as the engine's
         await run(TypeError("our bug"))
     engine._llm = None
+
+
+async def test_abort_on_a_dead_engine_is_a_no_op(without_vllm: None) -> None:
+    engine = VllmEngine(CONFIG)
+    dead = _FailingLlm(RuntimeError("engine core died"))
+    dead.errored = True  # as AsyncLLM says once its engine core process is gone
+    engine._llm = dead
+    await engine.abort("r")  # nothing left to abort: the hand-on of the agent's jobs must not stop here

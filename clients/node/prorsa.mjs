@@ -15,13 +15,21 @@
 //   its `Nats-Msg-Id` is `<request_id>#<attempt>`;
 // - the output streams back as `token_chunk`s on the request's `reply_to`, assembled exactly once (StreamAssembler);
 // - a turn with no progress for `retryAfterS` is republished with `attempt` + 1; the first complete stream wins;
-// - timestamps are Unix seconds times the cluster's time scale (PRORSA_TIME_SCALE; 1 with real engines).
+// - timestamps are Unix seconds times the cluster's time scale (PRORSA_TIME_SCALE; 1 with real engines);
+// - the lean wire ("The context log"): before each turn, its prompt segment (the ids after the previous turn's prompt,
+//   when the new prompt extends it) goes to `ns.ctx.<traj_id>.<turn>` as 32-bit little-endian ids, and the request
+//   carries only those ids (none past `inlineMaxTokens`) with the reference; the log is purged when the trajectory
+//   finishes. `leanWire: false` sends the whole context every turn. A request over the server's max_payload is
+//   refused here (PayloadTooLarge), before anything is published.
 // The wire format is JSON: every message has `type` and `schema_version`, and this client rejects any other version.
 
-import { connect } from "@nats-io/transport-node";
+import { connect, headers as natsHeaders } from "@nats-io/transport-node";
 import { jetstream, jetstreamManager } from "@nats-io/jetstream";
 
-export const SCHEMA_VERSION = 1;
+export const SCHEMA_VERSION = 2;
+export const INLINE_MAX_TOKENS = 16384; // segment ids sent inline at most; beyond, engines read them from the log
+const PART_OVERHEAD_BYTES = 1024; // room for headers under max_payload in each context-log part
+const MAX_PART_TOKENS = 262144;
 const PREFILL_CAPABLE = new Set(["prefill", "mixed"]);
 const TOKEN = /^[A-Za-z0-9_\-:]+$/;
 
@@ -30,6 +38,9 @@ export class ProtoError extends Error {}
 
 /** The engine rejected the turn (its final chunk carries `error`); retrying will not help. */
 export class GenerateError extends Error {}
+
+/** A turn's request exceeds the server's max_payload: it is never published. */
+export class PayloadTooLarge extends GenerateError {}
 
 export function checkToken(value, what) {
   if (typeof value !== "string" || !TOKEN.test(value) || value.length > 200) {
@@ -45,6 +56,7 @@ export class Subjects {
     const upper = this.ns.toUpperCase().replace(/[-:]/g, "_");
     this.workStream = `${upper}_WORK`;
     this.eventsStream = `${upper}_EVENTS`;
+    this.contextStream = `${upper}_CONTEXT`;
     this.lifecycle = `${this.ns}.lifecycle`;
     this.prefillWorkAny = `${this.ns}.work.prefill.any`;
     this.allEngineStats = `${this.ns}.stats.*`;
@@ -53,9 +65,45 @@ export class Subjects {
   prefillWorkFor(engineId) {
     return `${this.ns}.work.prefill.engine.${checkToken(engineId, "engine id")}`;
   }
+  context(trajId, turn) {
+    return `${this.ns}.ctx.${checkToken(trajId, "trajectory id")}.${turn}`;
+  }
+  contextOf(trajId) {
+    return `${this.ns}.ctx.${checkToken(trajId, "trajectory id")}.>`;
+  }
   reply(clientId, n) {
     return `${this.ns}.reply.${checkToken(clientId, "client id")}.${n}`;
   }
+}
+
+/** Token ids as unsigned 32-bit little-endian bytes (the context log's body). */
+export function packIds(ids) {
+  const out = new Uint8Array(ids.length * 4);
+  const view = new DataView(out.buffer);
+  ids.forEach((id, i) => {
+    if (!Number.isInteger(id) || id < 0 || id > 0xffffffff) throw new Error(`token id ${id} is not in 0..2^32-1`);
+    view.setUint32(i * 4, id, true);
+  });
+  return out;
+}
+
+/** The messages of one segment of the context log under `maxPayload`: [{ headers, body }], at least one. */
+export function segmentParts(prefixTurn, prefixLen, ids, maxPayload) {
+  const step = Math.min(MAX_PART_TOKENS, Math.floor((maxPayload - PART_OVERHEAD_BYTES) / 4));
+  const n = Math.max(1, Math.ceil(ids.length / step));
+  const parts = [];
+  for (let i = 0; i < n; i++) {
+    parts.push({
+      headers: {
+        "Prorsa-Prefix-Turn": String(prefixTurn),
+        "Prorsa-Prefix-Len": String(prefixLen),
+        "Prorsa-Tokens": String(ids.length),
+        "Prorsa-Part": `${i}/${n}`,
+      },
+      body: packIds(ids.slice(i * step, (i + 1) * step)),
+    });
+  }
+  return parts;
 }
 
 const encoder = new TextEncoder();
@@ -178,7 +226,10 @@ export class RolloutClient {
     return client;
   }
 
-  constructor(nc, { namespace = "prorsa", clientId, timeScale, retryAfterS = 120, maxAttempts = 3 } = {}) {
+  constructor(
+    nc,
+    { namespace = "prorsa", clientId, timeScale, retryAfterS = 120, maxAttempts = 3, leanWire = true, inlineMaxTokens = INLINE_MAX_TOKENS } = {},
+  ) {
     this.nc = nc;
     this.js = jetstream(nc);
     this.subjects = new Subjects(namespace);
@@ -186,6 +237,9 @@ export class RolloutClient {
     this.timeScale = timeScale ?? Number(process.env.PRORSA_TIME_SCALE || 1);
     this.retryAfterS = retryAfterS;
     this.maxAttempts = maxAttempts;
+    this.leanWire = leanWire;
+    this.inlineMaxTokens = inlineMaxTokens;
+    this.runId = randomHex(12); // makes context-log message ids unique to this client's writes
     this.directory = new EngineDirectory();
     this.seq = 0;
     this.pending = new Map(); // request id -> { assembler, lastProgressMs, onDone }
@@ -204,7 +258,8 @@ export class RolloutClient {
     // The services create the WORK and EVENTS streams; publishing before they exist gets no acknowledgement.
     const jsm = await jetstreamManager(this.nc);
     const deadline = Date.now() + streamWaitS * 1000;
-    for (const name of [this.subjects.workStream, this.subjects.eventsStream]) {
+    this.jsm = jsm;
+    for (const name of [this.subjects.workStream, this.subjects.eventsStream, this.subjects.contextStream]) {
       for (;;) {
         try {
           await jsm.streams.info(name);
@@ -327,10 +382,47 @@ export class RolloutClient {
     }
   }
 
+  /** The server's max_payload in bytes (what it announced on connect). */
+  get maxPayload() {
+    return this.nc.info?.max_payload ?? 1024 * 1024;
+  }
+
+  /** The request's bytes; throws PayloadTooLarge past the server's max_payload. */
+  encodeRequest(req) {
+    const data = encode("generate_request", req);
+    if (data.length > this.maxPayload) {
+      throw new PayloadTooLarge(
+        `turn ${req.request_id}: the request is ${data.length} bytes (${req.prompt_token_ids.length} prompt ids inline), ` +
+          `over the server's max_payload of ${this.maxPayload} bytes; use the lean wire or raise max_payload`,
+      );
+    }
+    return data;
+  }
+
+  /** Write one turn's prompt segment to the context log (before the turn is published). */
+  async logSegment(trajId, turn, prefixTurn, prefixLen, ids) {
+    const subject = this.subjects.context(trajId, turn);
+    const parts = segmentParts(prefixTurn, prefixLen, ids, this.maxPayload);
+    for (const [i, part] of parts.entries()) {
+      const h = natsHeaders();
+      for (const [k, v] of Object.entries(part.headers)) h.set(k, v);
+      await this.js.publish(subject, part.body, { headers: h, msgID: `ctx:${this.runId}:${trajId}:${turn}:${i}` });
+    }
+  }
+
+  /** Drop a finished trajectory's context log; a failure is only reported (the stream's max age removes it). */
+  async purgeContext(trajId) {
+    try {
+      await this.jsm.streams.purge(this.subjects.contextStream, { filter: this.subjects.contextOf(trajId) });
+    } catch (err) {
+      console.warn(`prorsa: could not purge the context log of ${trajId}: ${err.message}`);
+    }
+  }
+
   async publishRequest(req) {
     const target = req.affinity_engine ? this.directory.affinityTarget(req.affinity_engine, Date.now()) : null;
     const subject = target ? this.subjects.prefillWorkFor(target) : this.subjects.prefillWorkAny;
-    await this.js.publish(subject, encode("generate_request", req), { msgID: `${req.request_id}#${req.attempt}` });
+    await this.js.publish(subject, this.encodeRequest(req), { msgID: `${req.request_id}#${req.attempt}` });
   }
 }
 
@@ -346,6 +438,16 @@ export class Trajectory {
     this.affinityEngine = "";
     this.results = [];
     this.finished = false;
+    this.loggedPrompt = null; // lean wire: a copy of the last prompt logged, and its turn
+    this.loggedTurn = 0;
+  }
+
+  /** [prefixTurn, prefixLen] when `ids` extends the last logged prompt, else [0, 0]. */
+  prefixOf(ids) {
+    const prev = this.loggedPrompt;
+    if (!prev || prev.length === 0 || ids.length < prev.length) return [0, 0];
+    for (let i = 0; i < prev.length; i++) if (ids[i] !== prev[i]) return [0, 0];
+    return [this.loggedTurn, prev.length];
   }
 
   /** Run one model turn on the whole context `promptIds`; resolves to its output ids, logprobs and engines. */
@@ -353,18 +455,15 @@ export class Trajectory {
     if (this.finished) throw new Error(`trajectory ${this.trajId} is finished`);
     const requestId = `${this.trajId}:${this.turn}`;
     const n = promptIds.length;
-    await this.client.emit("turn_submitted", {
-      traj_id: this.trajId,
-      turn: this.turn,
-      request_id: requestId,
-      prompt_tokens: n,
-      new_tokens: Math.max(0, n - this.contextTokens),
-    });
+    const lean = this.client.leanWire && n > 0;
+    const [prefixTurn, prefixLen] = lean ? this.prefixOf(promptIds) : [0, 0];
+    const segment = promptIds.slice(prefixLen);
+    const inline = !lean || segment.length <= this.client.inlineMaxTokens ? segment : [];
     const request = {
       request_id: requestId,
       traj_id: this.trajId,
       turn: this.turn,
-      prompt_token_ids: promptIds,
+      prompt_token_ids: inline,
       prompt_len: n,
       sampling: {
         max_tokens: sampling.max_tokens,
@@ -382,7 +481,23 @@ export class Trajectory {
       affinity_engine: this.affinityEngine,
       attempt: 0,
       submitted_s: this.client.nowS(),
+      prefix_turn: prefixTurn,
+      prefix_len: prefixLen,
+      context_logged: lean,
     };
+    this.client.encodeRequest(request); // before anything is published: a turn that cannot be sent is never seen
+    if (lean) {
+      await this.client.logSegment(this.trajId, this.turn, prefixTurn, prefixLen, segment);
+      this.loggedPrompt = promptIds.slice();
+      this.loggedTurn = this.turn;
+    }
+    await this.client.emit("turn_submitted", {
+      traj_id: this.trajId,
+      turn: this.turn,
+      request_id: requestId,
+      prompt_tokens: n,
+      new_tokens: Math.max(0, n - this.contextTokens),
+    });
     const result = await this.client.submit(request, { onTokens, timeoutS });
     this.results.push(result);
     this.affinityEngine = result.prefillEngine || result.engineId;
@@ -410,5 +525,9 @@ export class Trajectory {
     if (this.finished) return;
     this.finished = true;
     await this.client.emit("trajectory_finished", { traj_id: this.trajId, status, reward, turns: this.turn });
+    if (this.loggedPrompt !== null) {
+      this.loggedPrompt = null;
+      await this.client.purgeContext(this.trajId); // no turn will refer to its prompts any more
+    }
   }
 }

@@ -90,7 +90,7 @@ async def run_bench(
                 await meter.decode_pass(grid, progress)
                 real.append(await run_workload(engine, workload, spec.concurrency, meter.rng, progress))
         profile, prefill_fit, decode_fit = fitted_profile(meter, engine, "fidelity", describe(options))
-        max_model_len = engine.config.max_model_len
+        max_model_len = engine.max_model_len  # vLLM's resolved value (an engine argument may set it)
     from services.runtime.model_profiles import profile_from_json
 
     model = figures(replay(profile_from_json(profile), workload, spec.concurrency, max_model_len))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from prorsa.sim.runner import SimConfig, run_simulation
@@ -40,23 +41,50 @@ def expand_policies(specs: list[str], engines: int) -> list[str]:
 
 
 def compare_policies(
-    base: SimConfig, specs: list[str], progress: Callable[[str], None] | None = None
+    base: SimConfig,
+    specs: list[str],
+    progress: Callable[[str], None] | None = None,
+    pool: Executor | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """Run every policy; returns (result rows in the order asked, full JSON per simulated policy).
 
     A policy that cannot run on this configuration gets a row with an `error` instead of figures. `static:best`
-    gets the row of the best static split, named in `chosen`.
+    gets the row of the best static split, named in `chosen`. With a `pool` (processes: each run is a pure
+    function of its config) the simulations run in parallel and `progress` hears of each as it ends.
     """
-    full: dict[str, dict] = {}
-    errors: dict[str, str] = {}
     expanded = expand_policies(specs, base.engines)
-    for spec in expanded:
-        if progress is not None:
-            progress(spec)
-        try:
-            full[spec] = _run(dataclasses.replace(base, policy=spec))
-        except ValueError as exc:  # PolicyError and WorkloadError are ValueErrors
-            errors[spec] = str(exc)
+    configs = [dataclasses.replace(base, policy=spec) for spec in expanded]
+    if pool is None:
+        outcomes = []
+        for config in configs:
+            if progress is not None:
+                progress(config.policy)
+            outcomes.append(run_spec(config))
+    else:
+        futures = [pool.submit(run_spec, config) for config in configs]
+        outcomes = []
+        for config, future in zip(configs, futures, strict=True):
+            outcomes.append(future.result())
+            if progress is not None:
+                progress(f"{config.policy} done")
+    return assemble(specs, dict(zip(expanded, outcomes, strict=True)))
+
+
+def run_spec(config: SimConfig) -> dict[str, Any] | str:
+    """One policy's full JSON, or the reason it cannot run on this configuration (a module-level function, so a
+    process pool can run it)."""
+    try:
+        return _run(config)
+    except ValueError as exc:  # PolicyError and WorkloadError are ValueErrors
+        return str(exc)
+
+
+def assemble(
+    specs: list[str], outcomes: dict[str, dict[str, Any] | str]
+) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """`compare_policies`' result from each expanded spec's outcome (`run_spec`)."""
+    full = {k: v for k, v in outcomes.items() if isinstance(v, dict)}
+    errors = {k: v for k, v in outcomes.items() if isinstance(v, str)}
     rows: list[dict[str, Any]] = []
     for spec in specs:
         if spec == "static:best":

@@ -61,11 +61,13 @@ class Cell:
     profile: str
     mode: str
     batch_size: int = 128
+    engines: int = 0  # 0: the run's --engines
 
     @property
     def name(self) -> str:
         tail = "" if self.batch_size == 128 else f"/{self.batch_size}"
-        return f"{self.workload}/{self.profile}/{self.mode}{tail}"
+        fleet = f"/{self.engines}e" if self.engines else ""
+        return f"{self.workload}/{self.profile}/{self.mode}{tail}{fleet}"
 
 
 def all_cells(extra_workloads: tuple[str, ...] = ()) -> list[Cell]:
@@ -91,6 +93,22 @@ def bound_rollout_s(full_json: dict[str, Any], profile: str, engines: int, steps
     return (prefill_s + decode_s) / engines + train
 
 
+def cell_config(cell: Cell, steps: int, engines: int, seed: int) -> SimConfig:
+    """The simulation every policy of `cell` runs (its own fleet size where it names one, else `engines`)."""
+    mode, staleness = MODES[cell.mode]
+    return SimConfig(
+        workload=cell.workload,
+        profile=cell.profile,
+        engines=cell.engines or engines,
+        mode=mode,
+        staleness=staleness,
+        seed=seed,
+        steps=steps,
+        batch_size=cell.batch_size,
+        forecaster="lifecycle",
+    )
+
+
 def run_cell(
     cell: Cell,
     steps: int,
@@ -99,23 +117,25 @@ def run_cell(
     policies: tuple[str, ...],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    mode, staleness = MODES[cell.mode]
-    base = SimConfig(
-        workload=cell.workload,
-        profile=cell.profile,
-        engines=engines,
-        mode=mode,
-        staleness=staleness,
-        seed=seed,
-        steps=steps,
-        batch_size=cell.batch_size,
-        forecaster="lifecycle",
-    )
+    base = cell_config(cell, steps, engines, seed)
     t0 = time.perf_counter()
     rows, full = compare_policies(base, list(policies), lambda spec: progress(f"{cell.name} · {spec}"))
+    return cell_entry(cell, base, policies, rows, full, time.perf_counter() - t0)
+
+
+def cell_entry(
+    cell: Cell,
+    base: SimConfig,
+    policies: tuple[str, ...],
+    rows: list[dict[str, Any]],
+    full: dict[str, dict],
+    wall_s: float,
+) -> dict[str, Any]:
+    """The matrix JSON's entry for one cell from `compare_policies`' rows and full JSONs."""
     results = [
         {k: r[k] for k in ("policy", "avg_trajectory_s", "p99_trajectory_s", "rollout_s", "switches")}
         | ({"chosen": r["chosen"]} if "chosen" in r else {})
+        | ({"prefix_cache_hit_rate": r["prefix_cache_hit_rate"]} if "prefix_cache_hit_rate" in r else {})
         for r in rows
         if "error" not in r
     ]
@@ -128,9 +148,12 @@ def run_cell(
         "profile": cell.profile,
         "mode": cell.mode,
         "batch_size": cell.batch_size,
+        "engines": base.engines,
         "results": results,
-        "bound_rollout_s": bound_rollout_s(any_json, cell.profile, engines, steps, mode == "sync"),
-        "wall_s": time.perf_counter() - t0,
+        "bound_rollout_s": bound_rollout_s(
+            any_json, cell.profile, base.engines, base.steps or 1, base.mode == "sync"
+        ),
+        "wall_s": wall_s,
         "timelines": {
             spec: {
                 "t_s": j["windows"]["t_s"],
@@ -202,6 +225,8 @@ def markdown(matrix: dict[str, Any]) -> str:
         name = f"{c['workload']} · {c['profile']} · {c['mode']}" + (
             f" · {c['batch_size']}" if c["batch_size"] != 128 else ""
         )
+        if c.get("engines", 8) != 8:
+            name += f" · {c['engines']} engines"
         lines.append(
             f"| {name} | "
             + " | ".join(cols)
@@ -241,13 +266,14 @@ def plot_cell(entry: dict[str, Any], path: str) -> None:
     axes[1][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(
         f"{entry['workload']} · {entry['profile']} · {entry['mode']} · {entry['batch_size']} per step"
+        f" · {entry.get('engines', 8)} engines"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _plot_name(cell: Cell) -> str:
+def plot_name(cell: Cell) -> str:
     safe = cell.name.replace("/", "_").replace(":", "-").replace("+", "plus").replace(" ", "")
     return f"matrix-{safe}.png"
 
@@ -271,8 +297,15 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         os.makedirs(args.plot_dir or ".", exist_ok=True)
         for entry in saved["cells"]:
-            cell = Cell(entry["workload"], entry["profile"], entry["mode"], entry["batch_size"])
-            plot_cell(entry, os.path.join(args.plot_dir or ".", _plot_name(cell)))
+            fleet = entry.get("engines", args.engines)
+            cell = Cell(
+                entry["workload"],
+                entry["profile"],
+                entry["mode"],
+                entry["batch_size"],
+                0 if fleet == args.engines else fleet,
+            )
+            plot_cell(entry, os.path.join(args.plot_dir or ".", plot_name(cell)))
         return 0
     cells = select(all_cells(tuple(f"trace:{p}" for p in args.trace)), args.cells)
     if args.list:
@@ -302,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(out, f, indent=1)
         if args.plot_dir:
             os.makedirs(args.plot_dir, exist_ok=True)
-            plot_cell(entry, os.path.join(args.plot_dir, _plot_name(cell)))
+            plot_cell(entry, os.path.join(args.plot_dir, plot_name(cell)))
     text = markdown(out)
     print(text)
     if args.markdown:

@@ -27,6 +27,13 @@ Faults it rides out:
   this client's run nonce and submission number (`<run_id>.<n>#<attempt>`), never the request id alone: a second
   run with the same trajectory ids is not silently dropped. A request id already in flight on this client is
   refused with a ValueError (its token streams could not be told apart).
+The lean wire (`lean_wire`, on by default; `proto/context_log.py`): a turn whose prompt extends the trajectory's
+previous prompt sends only the ids after it, with a reference (`prefix_turn`, `prefix_len`) that the engine holding
+the previous prompt extends in memory; before publishing, the client writes the turn's segment to the context log,
+a stream that outlives any engine, so whichever engine takes the turn (a redelivery, a migration, a decode
+handoff) can rebuild it. Segments longer than `inline_max_tokens` are not repeated inline. A trajectory's log is
+purged when it finishes. A request still larger than the server's max_payload raises `PayloadTooLarge` before
+anything is published (the tracker never sees a turn that cannot run).
 Every subject it uses is documented in proto/README.md, so a trainer in another language can do the same.
 """
 
@@ -47,6 +54,7 @@ from nats.aio.msg import Msg
 
 import proto
 from prorsa.client.directory import EngineDirectory
+from prorsa.client.lean_wire import ContextLogWriter, LeanPrompts, TurnWire
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
@@ -85,6 +93,15 @@ class GenerateError(RuntimeError):
     """The engine rejected the request (e.g. prompt longer than the model length); retrying will not help."""
 
 
+class PayloadTooLarge(GenerateError):
+    """A turn's request exceeds the server's max_payload; publishing it would fail, so it is never sent."""
+
+
+# Segment ids sent inline up to this many (~100 kB of JSON); beyond, the engine reads them from the context log,
+# which carries them as 4-byte binary ids in parts under max_payload.
+DEFAULT_INLINE_MAX_TOKENS = 16_384
+
+
 class ClusterSaturated(RuntimeError):
     """The work queue refused a turn for longer than the client's `admission_timeout_s`: the cluster is saturated."""
 
@@ -114,8 +131,11 @@ class RolloutClient:
         publish_wait_s: float = 120.0,
         recover_after_s: float = 3.0,
         clock: Clock | None = None,
+        lean_wire: bool = True,
+        inline_max_tokens: int = DEFAULT_INLINE_MAX_TOKENS,
     ) -> None:
-        """`clock`: the scaled clock stamps are taken on (None: $PRORSA_TIME_SCALE's, read now)."""
+        """`clock`: the scaled clock stamps are taken on (None: $PRORSA_TIME_SCALE's, read now). `lean_wire`: send
+        each turn's new ids and log its segment (False: the whole context inline every turn, as schema 1 did)."""
         self.nc = nc
         self.clock = clock if clock is not None else Clock.from_env()
         self.js = nc.jetstream()
@@ -142,6 +162,10 @@ class RolloutClient:
         self.replayed_chunks = 0  # chunks read back from the REPLIES stream after reconnects
         self.early_retries = 0  # streams retried after an outage left them incomplete
         self.prefix_breaks = 0  # turns whose prompt did not extend their trajectory's last prompt + output
+        self.lean_wire = lean_wire
+        self.inline_max_tokens = inline_max_tokens
+        self.context_log = ContextLogWriter(self.js, self.subjects, self.run_id, publish_wait_s)
+        self.request_bytes = 0  # bytes of work requests published (first attempts)
 
     @classmethod
     async def connect(
@@ -215,6 +239,20 @@ class RolloutClient:
         )
         return traj
 
+    # --- the lean wire ---------------------------------------------------------------------------------------
+    def check_payload(self, request: GenerateRequest) -> int:
+        """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
+        size = len(proto.encode(request))
+        limit = self.nc.max_payload
+        if size > limit:
+            raise PayloadTooLarge(
+                f"turn {request.request_id}: the request is {size} bytes ({len(request.prompt_token_ids)} prompt ids "
+                f"inline), over the server's max_payload of {limit} bytes; send it with the lean wire "
+                "(RolloutClient(lean_wire=True), the default) or raise the server's max_payload (PRORSA_MAX_PAYLOAD "
+                "for an embedded server)"
+            )
+        return size
+
     # --- generation -----------------------------------------------------------------------------------------
     async def submit(
         self,
@@ -222,11 +260,16 @@ class RolloutClient:
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
         on_chunk: Callable[[TokenChunk], None] | None = None,
+        new_tokens: int = 0,
     ) -> GenerateResult:
-        """Send a turn and wait for its whole output; retries a request that makes no progress.
+        """Send a turn and wait for its whole output; retries a request that makes no progress. `new_tokens`: what
+        the prompt appends to the trajectory's last prompt + output (0 = unknown), which prices a move away from
+        the engine holding its prefix (`EngineDirectory.accepts_state`).
 
-        Raises GenerateError (the engine refused it), TimeoutError (no result in time), ClusterSaturated (refused
-        by a full queue for `admission_timeout_s`), ValueError (this request id is already in flight here)."""
+        Raises GenerateError (the engine refused it; PayloadTooLarge: too large to publish), TimeoutError (no result
+        in time), ClusterSaturated (refused by a full queue for `admission_timeout_s`), ValueError (this request id
+        is already in flight here)."""
+        self.request_bytes += self.check_payload(request)
         if request.request_id in self._pending:
             raise ValueError(
                 f"request {request.request_id} is already in flight on client {self.client_id}: request ids must be "
@@ -246,7 +289,8 @@ class RolloutClient:
             stalls = 0  # retries after retry_after_s without progress; outage retries do not count
             for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline)
+                worth = request.prompt_len / new_tokens if new_tokens > 0 else 0.0
+                await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline, worth)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
                 if result is not None:
@@ -297,13 +341,15 @@ class RolloutClient:
         back = self._reconnected_mono
         return back is not None and pending.last_progress_mono < back and now - back >= self.recover_after_s
 
-    async def _publish_request(self, req: GenerateRequest, msg_id: str, deadline: float | None) -> None:
+    async def _publish_request(
+        self, req: GenerateRequest, msg_id: str, deadline: float | None, worth_prompts: float = 0.0
+    ) -> None:
         """Publish a turn into the work queue; a full queue is backed off from (see the module doc)."""
         started = time.monotonic()
         delay = 0.05
         while True:
             target = (
-                self.directory.affinity_target(req.affinity_engine, time.monotonic())
+                self.directory.affinity_target(req.affinity_engine, time.monotonic(), worth_prompts)
                 if req.affinity_engine
                 else None
             )
@@ -368,6 +414,11 @@ class RolloutClient:
         msg = AbortRequest(request_id=request_id, traj_id=traj_id, ts_s=self.clock.now_s(), reason=reason)
         await self.nc.publish(self.subjects.abort, proto.encode(msg))
 
+    @property
+    def context_bytes(self) -> int:
+        """Bytes this client wrote to the context log."""
+        return self.context_log.bytes
+
     def reply_subject(self, n: int) -> str:
         return f"{self._reply_prefix}.{n}"
 
@@ -393,6 +444,8 @@ class Trajectory:
     finished: bool = False
     last_context: list[int] = field(default_factory=list)  # the last turn's prompt + output ids
     prefix_broken: bool = False  # a prefix break was logged (once per trajectory)
+    # Lean wire: the last prompt logged (a copy: a caller may extend its list in place) and its turn.
+    _lean: LeanPrompts = field(default_factory=LeanPrompts, repr=False)
 
     async def generate(
         self,
@@ -427,19 +480,14 @@ class Trajectory:
         self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
-        await self.client.emit(
-            TurnSubmitted,
-            traj_id=self.traj_id,
-            turn=self.turn,
-            request_id=request_id,
-            prompt_tokens=n,
-            new_tokens=max(0, n - self.context_tokens),
-        )
+        ids = list(prompt_token_ids)
+        lean = self.client.lean_wire and bool(ids)
+        wire = self._lean.plan(ids, self.client.inline_max_tokens) if lean else TurnWire(0, 0, ids, ids)
         req = GenerateRequest(
             request_id=request_id,
             traj_id=self.traj_id,
             turn=self.turn,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=wire.inline,
             prompt_len=n,
             sampling=params,
             reply_to=self.client.reply_subject(self.turn),
@@ -449,8 +497,31 @@ class Trajectory:
             submitted_s=self.client.clock.now_s(),
             sim_output_tokens=hint.output_tokens if hint is not None else 0,
             sim_cacheable_tokens=hint.cacheable_tokens if hint is not None else 0,
+            prefix_turn=wire.prefix_turn,
+            prefix_len=wire.prefix_len,
+            context_logged=lean,
         )
-        result = await self.client.submit(req, on_tokens=on_tokens, timeout_s=timeout_s, on_chunk=on_chunk)
+        self.client.check_payload(
+            req
+        )  # before anything is published: the tracker never sees a turn that cannot run
+        if lean:
+            await self.client.context_log.write(self.traj_id, self.turn, wire, self.client.nc.max_payload)
+            self._lean.logged_as(self.turn, ids)
+        await self.client.emit(
+            TurnSubmitted,
+            traj_id=self.traj_id,
+            turn=self.turn,
+            request_id=request_id,
+            prompt_tokens=n,
+            new_tokens=max(0, n - self.context_tokens),
+        )
+        result = await self.client.submit(
+            req,
+            on_tokens=on_tokens,
+            timeout_s=timeout_s,
+            new_tokens=max(0, n - self.context_tokens),
+            on_chunk=on_chunk,
+        )
         self.results.append(result)
         if prompt_token_ids:
             self.last_context = [*prompt_token_ids, *result.token_ids]
@@ -504,3 +575,6 @@ class Trajectory:
         await self.client.emit(
             TrajectoryFinished, traj_id=self.traj_id, status=status, reward=reward, turns=self.turn
         )
+        if self._lean.logged:  # no turn will refer to its prompts any more
+            self._lean = LeanPrompts()
+            await self.client.context_log.purge(self.traj_id)

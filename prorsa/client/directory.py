@@ -51,13 +51,23 @@ class EngineDirectory:
             bound = min(bound, max(self.min_stale_s, self.missed_intervals * interval))
         return now - seen <= bound
 
-    def accepts(self, stats: EngineStats) -> bool:
+    def accepts(self, stats: EngineStats, worth_prompts: float = 0.0) -> bool:
         """Whether an engine in the state `stats` reports takes a turn addressed to it."""
-        return self.accepts_state(stats.role, stats.switching, stats.waiting)
+        return self.accepts_state(
+            stats.role, stats.switching, stats.waiting + stats.addressed_waiting, worth_prompts
+        )
 
-    def accepts_state(self, role: str, switching: bool, waiting: int) -> bool:
-        """`accepts` on the three fields it reads (the simulator's router asks with each engine's present state)."""
-        return role in PREFILL_CAPABLE and not switching and waiting <= self.max_waiting
+    def accepts_state(self, role: str, switching: bool, waiting: int, worth_prompts: float = 0.0) -> bool:
+        """`accepts` on the three fields it reads (the simulator's router asks with each engine's present state).
+        `waiting`: every prompt queued for it, pulled or only addressed to it — a trajectory's turn that would wait
+        behind more than `max_waiting` of them goes to the shared queue, where an idle engine takes it and becomes
+        its home (one recompute): homes rebalance instead of piling up behind a few engines.
+        `worth_prompts`: what recomputing the turn's whole context elsewhere costs, in prompts of its own uncached
+        size (context / new tokens; 0 = unknown). Waiting behind fewer than that many costs less than the recompute,
+        so the turn stays however long the queue is by count: a 60k-token context is worth 25 prompts of 2.4k new
+        tokens, and sent away after 8 it recomputed 60k tokens to skip 20k (and, under DP attention, stalled every
+        rank's decode meanwhile)."""
+        return role in PREFILL_CAPABLE and not switching and waiting <= max(self.max_waiting, worth_prompts)
 
     def group_target(self, now: float) -> str | None:
         """Where a group of turns sharing one prompt (a GRPO group) should all go, so the prompt is prefilled and
@@ -67,9 +77,10 @@ class EngineDirectory:
             return None
         return min(ok, key=lambda s: (s.waiting + s.running, s.engine_id)).engine_id
 
-    def affinity_target(self, engine_id: str, now: float) -> str | None:
-        """`engine_id` if it can take the turn directly now, else None (use the shared queue)."""
+    def affinity_target(self, engine_id: str, now: float, worth_prompts: float = 0.0) -> str | None:
+        """`engine_id` if it can take the turn directly now, else None (use the shared queue); `worth_prompts` as
+        in `accepts_state`."""
         s = self.engines.get(engine_id)
-        if s is None or not self.fresh(engine_id, now) or not self.accepts(s):
+        if s is None or not self.fresh(engine_id, now) or not self.accepts(s, worth_prompts):
             return None
         return engine_id

@@ -5,7 +5,11 @@ Prints a table (predictor x prefill / decode WAPE, their ratio to naive's and ar
 workload's instances (prorsa/forecast_eval/split.py); `--value` adds the allocator's average trajectory time and
 rollout time planned on each predictor vs naive vs the truth (value.py). `--json FILE` writes `{"horizon_s": H,
 "predictors": {name: every figure of the table}, "horizons": {...every horizon, every score...}, "value": {name:
-{avg_trajectory_s, rollout_s, role_switches, capture_*}} (with --value), "run": {...}}`. See prorsa/forecast_eval/.
+{avg_trajectory_s, rollout_s, role_switches, capture_*}} (with --value), "run": {...}}`. `--leave-one-out` runs
+every shipped agent trace (or `--traces`) instead of `--workload`, each forecast with a prior pooled from the others
+(prorsa/forecast_eval/loto.py), and prints one table: per left-out trace, WAPE against naive and arima and
+coverage80, with the targets each misses; its JSON is `{"horizon_s": H, "traces": {trace: <the JSON above>}}`.
+See prorsa/forecast_eval/.
 
 Cheap to import (the main CLI builds every subcommand's parser): the simulator, the forecasters and rich load in
 `run`.
@@ -21,13 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 from prorsa.forecast_eval.bank import PREDICTORS
 from prorsa.forecast_eval.hints import HINT_MODES
+from prorsa.forecast_eval.loto import AGENT_TRACES
 from prorsa.forecast_eval.split import SPLITS
 from prorsa.sim.cli import add_run_arguments, config_from_args
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.progress import Progress, TaskID
     from rich.table import Table
 
-    from prorsa.forecast_eval.evaluate import EvalResult
+    from prorsa.forecast_eval.evaluate import EvalOptions, EvalResult
+    from prorsa.sim.runner import SimConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--value-predictors",
         default=None,
         help="comma-separated predictors of the --value runs (default: those of --predictors)",
+    )
+    parser.add_argument(
+        "--leave-one-out",
+        action="store_true",
+        help="evaluate every trace of --traces instead of --workload, each with a prior pooled from the others "
+        "(default: off)",
+    )
+    parser.add_argument(
+        "--traces",
+        default=",".join(AGENT_TRACES),
+        help=f"comma-separated traces of --leave-one-out (default: {','.join(AGENT_TRACES)})",
     )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the scores as JSON")
 
@@ -109,6 +129,55 @@ def score_table(result: EvalResult, horizon_s: float) -> Table:
     return table
 
 
+def loto_table(results: dict[str, EvalResult], horizon_s: float) -> Table:
+    """One row per left-out trace and predictor (those other than naive and arima): WAPE against naive and
+    arima, coverage80, and the targets missed (prorsa/forecast_eval/loto.py)."""
+    from rich.table import Table
+
+    from prorsa.forecast_eval.loto import misses
+
+    first = next(iter(results.values()))
+    cfg = first.config
+    table = Table(
+        title=f"prorsa forecast-eval --leave-one-out · {cfg.mode} · {cfg.engines} × {cfg.policy} · "
+        f"horizon {horizon_s:g} s"
+    )
+    for name in (
+        "left out",
+        "predictor",
+        "prefill WAPE",
+        "×naive",
+        "×arima",
+        "decode WAPE",
+        "×naive",
+        "×arima",
+    ):
+        table.add_column(name, justify="left" if name in ("left out", "predictor") else "right")
+    table.add_column("coverage80", justify="right")
+    table.add_column("targets missed")
+    for trace, result in results.items():
+        for name, r in result.summary(horizon_s).items():
+            if name in ("naive", "arima"):
+                continue
+            table.add_row(
+                trace,
+                name,
+                _fmt(r["prefill_wape"]),
+                _fmt(r["prefill_wape_vs_naive"]),
+                _fmt(r["prefill_wape_vs_arima"]),
+                _fmt(r["decode_wape"]),
+                _fmt(r["decode_wape_vs_naive"]),
+                _fmt(r["decode_wape_vs_arima"]),
+                _fmt(r["coverage80"]),
+                ", ".join(misses(r)) or "none",
+            )
+    table.caption = (
+        "each trace forecast by a forecaster whose prior was pooled from the other traces; targets: prefill <= 0.7x "
+        "naive, decode <= 0.9x naive, coverage80 in 0.75-0.85"
+    )
+    return table
+
+
 def value_table(rows: dict[str, dict[str, Any]], policy: str) -> Table:
     from rich.table import Table
 
@@ -129,6 +198,42 @@ def value_table(rows: dict[str, dict[str, Any]], policy: str) -> Table:
         "capture = (naive - predictor) / (naive - truth): the share of the truth's gain over naive"
     )
     return table
+
+
+def _leave_one_out(
+    args: argparse.Namespace,
+    config: SimConfig,
+    options: EvalOptions,
+    on_tick: Callable[[float, int], None],
+    progress: Progress,
+    task: TaskID,
+) -> int:
+    """`--leave-one-out` (module header): every trace of `--traces`, one table, the JSON by trace."""
+    from prorsa.console import table_console
+    from prorsa.forecast_eval.loto import run_leave_one_out
+
+    if args.value:
+        raise ValueError("--value does not combine with --leave-one-out")
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    if not traces:
+        raise ValueError("--traces names no trace")
+
+    def on_trace(trace: str) -> None:
+        progress.update(task, description=f"left out: {trace}", completed=0)
+
+    results = run_leave_one_out(config, options, traces, on_trace, on_tick)
+    progress.stop()
+    out = table_console()
+    out.print(loto_table(results, float(args.horizon)))
+    if args.json_path:
+        data = {
+            "horizon_s": float(args.horizon),
+            "traces": {t: r.to_json(float(args.horizon)) for t, r in results.items()},
+        }
+        with open(args.json_path, "w") as f:
+            json.dump(data, f, indent=1)
+        out.print(f"wrote {args.json_path}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
             def on_tick(t: float, finished: int) -> None:
                 progress.update(task, completed=finished, t=t)
 
+            if args.leave_one_out:
+                return _leave_one_out(args, config, options, on_tick, progress, task)
             result = run_forecast_eval(config, options, on_tick=on_tick)
             value = None
             if args.value:

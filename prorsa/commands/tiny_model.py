@@ -25,6 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="weight dtype (float32 keeps comparisons between engines tight; run engines with --dtype float32)",
     )
+    p.add_argument(
+        "--arch",
+        default="qwen2",
+        choices=("qwen2", "qwen3-moe"),
+        help="qwen2 (dense) or qwen3-moe (8 routed experts, 2 per token: vLLM's MoE path) (default: qwen2)",
+    )
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="longest context the model claims; vLLM refuses a longer max_model_len (default: 4096)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite a directory that already holds a model")
 
 
@@ -50,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from prorsa.gateway.tiny_tokenizer import build_tiny_tokenizer
-    from services.engine_agent.tiny_model import build_tiny_qwen2
+    from services.engine_agent.tiny_model import build_tiny_model
 
-    path = build_tiny_qwen2(str(out), seed=args.seed, dtype=args.dtype)
+    path = build_tiny_model(
+        str(out),
+        seed=args.seed,
+        dtype=args.dtype,
+        arch=args.arch,
+        max_position_embeddings=args.max_position_embeddings,
+    )
     build_tiny_tokenizer(path, seed=args.seed)
-    print(f"tiny Qwen2 (seed {args.seed}, {args.dtype}) and its chat tokenizer written to {path}")
+    print(f"tiny {args.arch} (seed {args.seed}, {args.dtype}) and its chat tokenizer written to {path}")
     print(f"use it as: prorsa rollout --backend vllm --model {path} --dtype {args.dtype} ...")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
 import time
@@ -35,6 +36,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "allocator's model of the engines for either backend",
     )
     p.add_argument("--dtype", default=None, help="--backend vllm: model dtype (float32 on CPUs without bf16)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="one of vLLM's engine arguments for every engine (tensor_parallel_size=2, max_model_len=262144, "
+        "...), over Prorsa's defaults; simulated engines honour max_model_len, max_num_seqs and "
+        "max_num_batched_tokens; repeatable (default: none)",
+    )
+    p.add_argument(
+        "--engine-args-file",
+        default=None,
+        help="engine arguments from a file (one JSON object, or K=V lines); --engine-arg wins (default: none)",
+    )
+    p.add_argument(
+        "--role-engine-arg",
+        action="append",
+        default=[],
+        metavar="ROLE:K=V",
+        help="--backend vllm: an engine argument for one role (decode:data_parallel_size=2); a switch between "
+        "roles whose arguments differ restarts the engine; repeatable (default: none)",
+    )
+    p.add_argument(
+        "--devices-per-engine",
+        type=int,
+        default=0,
+        help="accelerators per engine: engine i gets the i-th group as CUDA_VISIBLE_DEVICES (default 0: every "
+        "engine sees every device)",
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="the devices to divide among engines, e.g. 0-7 or 0,1,4,5 (default: 0 .. engines x "
+        "devices-per-engine - 1)",
+    )
     p.add_argument("--speedup", type=float, default=None, help="sim backend: virtual seconds per wall second")
     p.add_argument("--log-dir", default=None, help="write each child's log here (default: discard)")
     p.add_argument("--for", dest="for_s", type=float, default=None, help="stop after this many seconds")
@@ -81,7 +117,24 @@ def engine_args(args: argparse.Namespace) -> list[str]:
         out += ["--speedup", str(args.speedup)]
     if args.dtype:
         out += ["--dtype", args.dtype]
+    for item in args.engine_arg:
+        out += ["--engine-arg", item]
+    if args.engine_args_file:
+        out += ["--engine-args-file", os.path.abspath(args.engine_args_file)]
+    for item in args.role_engine_arg:
+        out += ["--role-engine-arg", item]
     return out
+
+
+def engine_devices(args: argparse.Namespace) -> list[str]:
+    """CUDA_VISIBLE_DEVICES per engine (`prorsa.engine_layout`). Raises SystemExit on a layout that cannot be."""
+    from prorsa.engine_layout import device_groups, parse_devices
+
+    try:
+        devices = parse_devices(args.devices) if args.devices else None
+        return device_groups(args.engines, args.devices_per_engine, devices)
+    except ValueError as exc:
+        raise SystemExit(f"prorsa up: {exc}") from None
 
 
 # A real engine loads its model and warms up before it reports ok: ~30-90 s per vLLM engine on a small CPU machine
@@ -163,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             backend=args.backend,
             model=args.model,
             extra_engine_args=engine_args(args),
+            engine_devices=engine_devices(args),
             extra_service_args={"allocator": ["--profile", args.profile]} if args.profile else {},
             log_dir=args.log_dir,
             auth=not args.no_auth,

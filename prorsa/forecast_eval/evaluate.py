@@ -30,6 +30,7 @@ from prorsa.forecast_eval.scoring import score
 from prorsa.forecast_eval.split import split_workload
 from prorsa.sim.runner import SimConfig, SimResult, run_simulation
 from services.forecaster.base import Predictor
+from services.forecaster.lifecycle_model import PriorSamples
 from services.trajectory_tracker.core import BENIGN_KINDS, TrackerCore
 
 # Interpolated progress is stamped this much before the tick, so the forecaster's series puts it in the window
@@ -46,6 +47,9 @@ class EvalOptions:
     hints: str = "started"  # see hints.py: none | started | schedule
     seed: int = 0  # forecaster seed (the lifecycle model's Monte Carlo)
     split: str = "all"  # the half of the workload's instances evaluated (split.py): all | dev | report
+    # what `lifecycle` (standalone and in the ensemble) starts a new workload from (None: the round PRIORS);
+    # loto.py passes the other traces' samples
+    prior: PriorSamples | None = None
 
 
 @dataclass
@@ -59,6 +63,8 @@ class EvalResult:
     valid: np.ndarray  # (T, horizons): the horizon ends within the run
     scored_until_s: float
     scores: dict[str, list[dict[str, float]]]  # name -> one row per horizon (scoring.score)
+    # (T, horizons, 2 metrics): the physically possible demand every forecast was kept within
+    bound: np.ndarray
     tracker: TrackerCore
     bridge: SimBridge
     bad_rejections: dict[str, int]  # tracker rejections other than duplicate/stale/late (should be none)
@@ -79,6 +85,18 @@ class EvalResult:
                     row[f"{m}_wape_vs_{ref}"] = row[f"{m}_wape"] / den if den and den == den else math.nan
         return rows
 
+    def bound_exceeded(self) -> dict[str, float]:
+        """How often the realised demand exceeded the demand bound (services/forecaster/bounds.py), over the scored
+        (tick, horizon) pairs, per scored metric: the share, and the largest realised / bound."""
+        out: dict[str, float] = {}
+        for i, m in enumerate(SCORED_METRICS):
+            a, b = self.actual[..., i][self.valid], self.bound[..., i][self.valid]
+            name = m.removesuffix("_tokens")
+            out[f"{name}_share"] = float(np.mean(a > b * (1 + 1e-9))) if a.size else math.nan
+            ratio = a / np.maximum(b, 1e-9)
+            out[f"{name}_max_ratio"] = float(ratio.max()) if a.size else math.nan
+        return out
+
     def to_json(self, horizon_s: float) -> dict[str, Any]:
         m = self.sim.sim.metrics
         data = {
@@ -92,6 +110,7 @@ class EvalResult:
                 "config": self.config.echo(),
                 "split": self.options.split,
                 "hints": self.options.hints,
+                "prior": "other traces" if self.options.prior is not None else "round stand-ins",
                 "window_s": self.options.window_s,
                 "refit_interval_s": self.options.refit_interval_s,
                 "end_s": self.sim.end_s,
@@ -103,6 +122,7 @@ class EvalResult:
                 "prefill_tokens": self.bridge.ledger.prefill_total_tokens,
                 "decode_tokens": self.bridge.ledger.decode_total_tokens,
                 "refits": self.refits,
+                "bound_exceeded": self.bound_exceeded(),
                 **self.extra,
                 "wall_s": self.wall_s,
             },
@@ -200,7 +220,13 @@ def run_forecast_eval(
         workload, opts.hints, sync=config.mode == "sync", training_s=config.training_s, steps=config.steps
     )
     bank = ForecastBank(
-        opts.predictors, opts.horizons_s, opts.window_s, opts.refit_interval_s, opts.seed, extra_predictors
+        opts.predictors,
+        opts.horizons_s,
+        opts.window_s,
+        opts.refit_interval_s,
+        opts.seed,
+        extra_predictors,
+        prior=opts.prior,
     )
     ev = _Evaluator(bank, schedule, opts.window_s, on_tick)
     t0 = time.perf_counter()
@@ -227,6 +253,7 @@ def run_forecast_eval(
         valid=valid,
         scored_until_s=until,
         scores=scores,
+        bound=np.array(bank.bounds),
         tracker=ev.tracker,
         bridge=ev.bridge,
         bad_rejections=ev.bad_rejections,

@@ -51,6 +51,28 @@ class Forecasts:
     decode: tuple[list[float], list[float], list[float]]
 
 
+def band_coverage(f: Forecasts, w: Windows) -> dict[str, tuple[float, int]]:
+    """role -> (share of forecasts whose realised rate over their horizon fell within q10..q90, forecasts scored):
+    what a reader needs to trust a band (nominal 80 %), for the forecasts whose horizon the windows cover."""
+    out: dict[str, tuple[float, int]] = {}
+    for role, (q10, _, q90), series in (
+        ("prefill", f.prefill, w.prefill_demand),
+        ("decode", f.decode, w.decode),
+    ):
+        inside = scored = 0
+        for i, (t, h) in enumerate(zip(f.t_s, f.horizon_s, strict=True)):
+            r = w.mean_rate(series, t, h)
+            if r is None:
+                continue
+            scored += 1
+            # a relative slack: the band and the realised rate come from two roundings of the same tokens
+            slack = 1e-9 * max(abs(r), 1.0)
+            inside += q10[i] - slack <= r <= q90[i] + slack
+        if scored:
+            out[role] = (inside / scored, scored)
+    return out
+
+
 @dataclass(frozen=True)
 class RunData:
     name: str  # column and section title, e.g. "prorsa" or "sim colocated"

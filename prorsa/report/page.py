@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prorsa.report import figures
-from prorsa.report.model import RunData
+from prorsa.report.model import RunData, band_coverage
 from prorsa.rollout.report import SUMMARY_ROWS
 
 STYLE = """
@@ -131,10 +131,15 @@ def _run_sections(run: RunData) -> list[str]:
     else:
         out.append(_missing(f"{key}:demand", "No demand or engine throughput was recorded."))
     if run.forecasts is not None and w is not None:
+        cover = band_coverage(run.forecasts, w)
+        held = "; ".join(f"{role} {share:.0%} of {n}" for role, (share, n) in cover.items())
         out.append(
             _figure(
                 f"{key}:forecast",
-                "Demand forecast (as a rate over its horizon) against the demand realised over the same horizon.",
+                "Demand forecast (as a rate over its horizon) against the demand realised over the same horizon. "
+                "The q10–q90 band is the forecaster's calibrated one, kept within the demand the live "
+                "trajectories could physically ask for (services/forecaster/calibration.py, bounds.py)"
+                + (f"; realised within it (nominal 80 %): {held}." if held else "."),
                 lambda: figures.forecast(run),
             )
         )

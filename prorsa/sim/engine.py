@@ -93,6 +93,7 @@ class SimEngine(EngineCore):
             switching=self.state != ACTIVE,
             in_flight_tokens=in_flight,
             prefix_cache_tokens=self.cache.used_tokens,
+            addressed_waiting=len(self.own_prompts),
         )
 
     # -- the core's hooks ---------------------------------------------------------------------------------------

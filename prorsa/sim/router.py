@@ -151,8 +151,10 @@ class Router:
         engine = traj.last_engine
         if engine is not None:
             # The fields `EngineStats` reports (`SimEngine.stats`), read directly: this runs once per turn.
-            waiting = len(engine.queue) + len(engine.arrivals) + engine.incoming
-            if self.directory.accepts_state(engine.role, engine.state != ACTIVE, waiting):
+            waiting = len(engine.queue) + len(engine.arrivals) + engine.incoming + len(engine.own_prompts)
+            new = traj.spec.turns[req.turn].new_prompt_tokens
+            worth = req.context_tokens / new if new > 0 else 0.0
+            if self.directory.accepts_state(engine.role, engine.state != ACTIVE, waiting, worth):
                 self.affinity_hits += 1
                 self._address(engine, req, now)
                 return

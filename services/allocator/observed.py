@@ -159,4 +159,5 @@ def build_view(
         recent_mean_cached_tokens=recent.mean_cached_tokens,
         recent_mean_osl_tokens=recent.mean_osl_tokens,
         recent_mean_new_tokens=recent.mean_new_tokens,
+        prefill_queue_len=sum(v.waiting for v in engines if v.role in ("prefill", "mixed")) + waiting_prefill,
     )

@@ -83,6 +83,10 @@ class ClusterView:
     # New prompt tokens per turn submitted in the window (the observation the client appended; 0 = not measured):
     # unlike the ISL it does not depend on where the turn was placed.
     recent_mean_new_tokens: float = 0.0
+    # Prompts waiting for prefill anywhere — not pulled yet, or pulled and queued on an engine — whose uncached
+    # tokens `prefill_queue_tokens` counts (0 = not measured). At high concurrency most of a backlog waits in the
+    # shared queue, not on the engines: the engines' `waiting` alone saw none of 8M queued tokens.
+    prefill_queue_len: int = 0
 
     def roles(self) -> dict[str, str]:
         """engine_id → the role it will serve (its target when switching)."""

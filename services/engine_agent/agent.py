@@ -24,6 +24,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
 from proto import (
     AbortRequest,
     EngineStats,
@@ -34,7 +36,10 @@ from proto import (
     RoleSwitchCommand,
     check_token,
 )
-from services.engine_agent.backend import Backend, BackendError
+from services.engine_agent.backend import Backend, BackendError, EngineDead
+from services.engine_agent.context_cache import DEFAULT_MAX_TOKENS as DEFAULT_CONTEXT_CACHE_TOKENS
+from services.engine_agent.context_cache import ContextCache
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.metrics import EngineMetrics
 from services.engine_agent.pull_capacity import PullConfig
 from services.engine_agent.puller import WorkPuller
@@ -47,10 +52,17 @@ from services.engine_agent.role_state import (
     on_switch_failed,
 )
 from services.engine_agent.runner import JobRunner
-from services.engine_agent.switch_drain import drain_for_switch, hand_off_all
+from services.engine_agent.switch_drain import drain_for_switch, hand_off_all, wait_jobs
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
+
+# Wall seconds the stats loop waits for its addressed queue's pending count (a JetStream request): a slow answer
+# must not hold back the stats themselves, which carry the previous count meanwhile.
+STATS_QUERY_S = 0.5
+# Wall seconds a dead engine's jobs get to hand themselves on (vLLM fails their streams at once) before the agent
+# hands them on itself.
+DEAD_ENGINE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +90,13 @@ class AgentConfig:
     max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP
     max_version_jump: int = DEFAULT_MAX_VERSION_JUMP
     weights_root: str = ""  # weights_path must lie under it ("": only reloads from the model path)
+    # Health of the engine itself (wall seconds): how long it may take to start before the agent gives up and
+    # exits (None: no limit), and how often the liveness probe asks it whether it still serves.
+    start_timeout_s: float | None = None
+    liveness_interval_s: float = 2.0
+    context_cache_tokens: int = (
+        DEFAULT_CONTEXT_CACHE_TOKENS  # prompts held for the lean wire (context_cache.py)
+    )
 
 
 class EngineAgent(Service):
@@ -106,6 +125,9 @@ class EngineAgent(Service):
         self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
         self.policy_version = 0
         self.last_switch_s = 0.0
+        self.contexts = ContextResolver(
+            self._connection, self.subjects, ContextCache(self.config.context_cache_tokens)
+        )
         self.runner = JobRunner(self, self.config.chunk_interval_s)
         self.puller = WorkPuller(
             self,
@@ -127,12 +149,18 @@ class EngineAgent(Service):
         self._weights_task: asyncio.Task[Any] | None = None
         self._stats_prev = (self.clock.monotonic_s(), 0, 0, 0)
         self._hit_rate = 0.0
+        self._addressed_waiting = 0  # the addressed queue's backlog, as of the last stats loop (EngineStats)
         self._handed_off = False
         self._serving = False  # set once setup() completed: only then is there work to hand off
+        self.engine_failure = ""  # why the engine died ("" while it lives): see `engine_dead`; exit_code 1
 
     @property
     def role(self) -> str:
         return self.role_state.role
+
+    def _connection(self) -> NATS:
+        assert self.nc is not None, "the context log is read only while connected"
+        return self.nc
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -141,7 +169,12 @@ class EngineAgent(Service):
         # to load: report "degraded" (details: starting=True) until the engine serves, so `prorsa up` and
         # `prorsa status` do not call a loading engine healthy.
         self.status = "degraded"
-        await self.backend.start()
+        try:
+            await asyncio.wait_for(self.backend.start(), self.config.start_timeout_s)
+        except TimeoutError:
+            raise BackendError(
+                f"engine {self.engine_id} did not start within {self.config.start_timeout_s:.0f} s"
+            ) from None
         await self.puller.setup()
         await self.subscribe(
             self.subjects.engine_command(self.engine_id), self._on_command, RoleSwitchCommand
@@ -154,6 +187,7 @@ class EngineAgent(Service):
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
         self.spawn(self.runner.progress_loop(self.config.progress_interval_s), name="progress")
         self.spawn(self._stats_loop(), name="stats")
+        self.spawn(self._liveness_loop(), name="liveness")
         assert self.nc is not None
         await self.nc.flush()  # the server has our subscriptions: a command sent after start() finds us
         self._serving = True
@@ -178,8 +212,49 @@ class EngineAgent(Service):
         await self.puller.close()
         await self.backend.close()
 
+    # -- a dead engine ---------------------------------------------------------------------------------------------
+
+    def engine_dead(self, exc: BaseException) -> None:
+        """The engine can serve no more (a job or the liveness probe found it dead): report it (health
+        `unhealthy`, details `engine: failed`), stop pulling, let every held job hand its work on, then stop with
+        exit status 1 so the supervisor (`prorsa up`, compose's restart policy) starts a fresh agent and engine.
+        Idempotent."""
+        if self.engine_failure:
+            return
+        self.engine_failure = repr(exc)[:300]
+        self.status = "unhealthy"
+        self.puller.pause("engine_dead")
+        self.metrics.count_error("engine_dead")
+        self.log.error("engine_dead", engine_id=self.engine_id, error=self.engine_failure)
+        self.spawn(self._leave_dead(), name="engine_dead")
+
+    async def _leave_dead(self) -> None:
+        await self.puller.wait_idle(self.config.stop_timeout_s)
+        # A dead engine fails every stream it had, and each job then hands its work on (runner) and ends; one whose
+        # stream the engine never ends is handed on from outside after a short grace.
+        jobs = list(self.runner.jobs.values())
+        await wait_jobs(jobs, DEAD_ENGINE_GRACE_S)
+        for job in jobs:
+            try:
+                await self.runner.hand_on_abandoned(job)
+            except BUS_ERRORS as exc:  # not stored: redelivered by JetStream after ack_wait instead
+                self.metrics.count_error("hand_off")
+                self.log.warning("hand_off_failed", request_id=job.request_id, error=repr(exc))
+        self.exit_code = 1
+        self.request_stop()
+
+    async def _liveness_loop(self) -> None:
+        while not self.engine_failure:
+            await asyncio.sleep(self.config.liveness_interval_s)  # wall cadence
+            try:
+                await self.backend.check_alive()
+            except EngineDead as exc:
+                self.engine_dead(exc)
+
     def health_details(self) -> dict[str, Any]:
         return {
+            "engine": "failed" if self.engine_failure else ("starting" if not self._serving else "ok"),
+            **({"engine_error": self.engine_failure} if self.engine_failure else {}),
             "engine_id": self.engine_id,
             "role": self.role,
             "epoch": self.role_state.applied_epoch,
@@ -187,8 +262,16 @@ class EngineAgent(Service):
             "held_requests": len(self.runner.jobs),
             "policy_version": self.policy_version,
             "backend": self.backend.name,
+            "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
+            "context_cache": {
+                "trajectories": len(self.contexts.cache),
+                "tokens": self.contexts.cache.tokens,
+                "hits": self.contexts.cache.hits,
+                "misses": self.contexts.cache.misses,
+                "log_reads": self.contexts.log_reads,
+            },
         }
 
     # -- events --------------------------------------------------------------------------------------------------
@@ -321,6 +404,12 @@ class EngineAgent(Service):
 
     async def _stats_loop(self) -> None:
         while True:
+            with contextlib.suppress(
+                *BUS_ERRORS, TimeoutError
+            ):  # the last figure stands until the bus answers
+                self._addressed_waiting = await asyncio.wait_for(
+                    self.puller.addressed_backlog(), STATS_QUERY_S
+                )
             stats = self.stats_snapshot()
             self.domain_metrics.observe(stats, self.runner.prefill_new_tokens, self.runner.decode_tokens)
             with contextlib.suppress(*BUS_ERRORS):
@@ -357,4 +446,6 @@ class EngineAgent(Service):
             in_flight_tokens=r.in_flight_tokens(),
             prefix_cache_tokens=max(0, b.prefix_cache_tokens),
             profile=self.config.profile,
+            addressed_waiting=self._addressed_waiting,
+            restart_roles=list(b.restart_roles),  # type: ignore[arg-type]
         )

@@ -42,6 +42,11 @@ class KvUnavailable(BackendError):
     """A decode handoff's KV can no longer be pulled (freed or expired on the prefill engine): re-prefill it."""
 
 
+class EngineDead(BackendError):
+    """The engine itself is gone (vLLM's engine-core process died: `EngineDeadError`); no request will run on it
+    again. The agent hands on what it holds and exits, so its supervisor starts a fresh one."""
+
+
 class RequestAborted(BackendError):
     """`prefill()` was interrupted by `abort(request_id)`."""
 
@@ -93,6 +98,12 @@ class BackendStats:
     kv_capacity_tokens: int
     max_batch: int  # most sequences in one batch (vLLM max_num_seqs)
     prefix_cache_tokens: int = 0  # prompt tokens held for reuse by later turns (0 = the engine does not say)
+    # True when `kv_used_tokens` is the engine's own measurement of the KV in use (vLLM's block usage, every
+    # data-parallel rank, blocks pinned for unclaimed handoffs included): decode admission then reads it instead
+    # of reserving each sequence's whole context + max_tokens (see measured_capacity.py).
+    kv_measured: bool = False
+    preemptions: int = 0  # cumulative sequences the engine preempted for want of KV (measured engines)
+    restart_roles: tuple[str, ...] = ()  # roles a switch to which restarts the engine (another layout)
 
 
 @runtime_checkable
@@ -110,6 +121,9 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Stop the engine and free its resources (idempotent)."""
+
+    async def check_alive(self) -> None:
+        """The liveness probe: returns while the engine can serve. Raises EngineDead once it cannot."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         """Prefill locally and decode; the first chunk carries `prefill` accounting."""

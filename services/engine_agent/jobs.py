@@ -52,6 +52,13 @@ class Job:
     # This execution of the request's stream (chunks carry it as `TokenChunk.stream`): a client seeing chunk 0 of
     # another execution knows the stream restarted, even when a replacement engine with the same id runs it.
     stream_tag: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # The request with its whole prompt (`contexts.py`), once resolved: what the backend runs. `request` stays the
+    # lean request as it came, which is what a handoff, a requeue or a migration passes on.
+    resolved: GenerateRequest | None = None
+
+    @property
+    def backend_request(self) -> GenerateRequest:
+        return self.resolved if self.resolved is not None else self.request
 
     @property
     def prefilled(self) -> bool:
@@ -91,8 +98,16 @@ def request_problem(request: GenerateRequest, max_model_len: int) -> str:
     """Why the request can never run here ("" if it can). A bad request is failed, not retried."""
     if not valid_reply_subject(request.reply_to):
         return f"reply_to {request.reply_to[:80]!r} is not a subject the engine may publish to"
-    if request.prompt_token_ids and len(request.prompt_token_ids) != request.prompt_len:
-        return f"prompt_len {request.prompt_len} differs from the {len(request.prompt_token_ids)} prompt ids sent"
+    if request.prefix_len > request.prompt_len:
+        return f"prefix_len {request.prefix_len} exceeds prompt_len {request.prompt_len}"
+    if request.prefix_len and request.prefix_turn >= request.turn:
+        return f"prefix_turn {request.prefix_turn} is not a turn before turn {request.turn}"
+    sent = request.prefix_len + len(request.prompt_token_ids)
+    if request.prompt_token_ids and sent != request.prompt_len:
+        return (
+            f"prompt_len {request.prompt_len} differs from the {sent} tokens sent "
+            f"({request.prefix_len} of turn {request.prefix_turn} and {len(request.prompt_token_ids)} ids)"
+        )
     context = request.prompt_len + len(request.resume_token_ids)
     if context == 0:
         return "empty prompt"

@@ -32,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from typing import Any
 
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import DecodeHandoff, GenerateRequest, Subjects
+from services.engine_agent.measured_capacity import PreemptionGate, measured_held
 from services.engine_agent.pull_capacity import EngineLimits, PullConfig, WorkKind, pull_size
 from services.engine_agent.runner import JobRunner
 from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
@@ -79,6 +81,7 @@ class WorkPuller:
         self._fetching = 0  # fetches in flight, over all loops
         self._last_decode_check = 0.0  # scaled monotonic seconds
         self.fetch_errors = 0
+        self.preemption_gate = PreemptionGate()
 
     def subject(self, kind: WorkKind, own: bool) -> str:
         s: Subjects = self.agent.subjects
@@ -106,6 +109,15 @@ class WorkPuller:
                 subject, durable=durable, stream=self.agent.subjects.work_stream, config=config
             )
             self.agent.consumed.append(subject)
+
+    async def addressed_backlog(self) -> int:
+        """Prompts addressed to this engine and not pulled yet (its own prefill consumer's pending count): clients
+        read it in EngineStats before sending a trajectory's turn here (`prorsa.client.directory`)."""
+        psub = self.subs.get(("prefill", True))
+        if psub is None:
+            return 0
+        info = await psub.consumer_info()
+        return int(info.num_pending or 0)
 
     async def close(self) -> None:
         """Unsubscribe the pull subscriptions (before the connection drains: a pull inbox can hold late status
@@ -203,13 +215,22 @@ class WorkPuller:
             prefill_budget_tokens=self.config.prefill_budget_tokens,
             max_fetch=self.config.max_fetch,
         )
+        held = self.runner.held()
+        est_kv = self.runner.estimates.kv_tokens.value
+        if stats.kv_measured:  # admission by the engine's own KV use (measured_capacity.py)
+            held = measured_held(held, stats.kv_used_tokens, self.runner.pending_decode_context())
+            est_kv = self.runner.estimates.prompt_tokens.value
+            now = time.monotonic()  # wall: preemptions happen in the engine's real time
+            decodes_here = kind == "decode" or self.agent.role == "mixed"
+            if decodes_here and held.decode_jobs and not self.preemption_gate.open(stats.preemptions, now):
+                return 0
         return pull_size(
             self.agent.role,
             kind,
             limits,
-            self.runner.held(),
+            held,
             self.runner.estimates.prompt_tokens.value,
-            self.runner.estimates.kv_tokens.value,
+            est_kv,
         )
 
     async def _fetch(self, kind: WorkKind, own: bool, n: int, timeout_s: float) -> int:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+import msgspec
 from nats.errors import Error as NatsError
 
 from proto import (
@@ -37,12 +38,21 @@ from proto import (
     Subjects,
     TokenProgress,
 )
+from proto.context_log import ContextLogError
 from services.engine_agent import outputs
-from services.engine_agent.backend import Backend, BackendError, GenChunk, KvUnavailable, RequestAborted
+from services.engine_agent.backend import (
+    Backend,
+    BackendError,
+    EngineDead,
+    GenChunk,
+    KvUnavailable,
+    RequestAborted,
+)
+from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
-from services.runtime.bus import BUS_ERRORS
+from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
 MAX_ABORTED_IDS = (
@@ -57,6 +67,7 @@ class AgentIO(Protocol):
     engine_id: str
     subjects: Subjects
     backend: Backend
+    contexts: ContextResolver
     clock: Clock
     policy_version: int
     log: Any
@@ -82,6 +93,8 @@ class AgentIO(Protocol):
     ) -> None: ...
 
     def clear_bug(self, kind: str, where: str = "") -> None: ...
+
+    def engine_dead(self, exc: BaseException) -> None: ...
 
 
 class JobRunner:
@@ -169,6 +182,12 @@ class JobRunner:
                 kv += job.kv_reserved_tokens
         return HeldWork(prefill_jobs, prefill_tokens, decode_jobs, kv)
 
+    def pending_decode_context(self) -> int:
+        """Context tokens of held decodes the engine has not started yet (no output token of theirs so far)."""
+        return sum(
+            j.context_tokens for j in self.jobs.values() if j.kind != "prefill" and j.output_tokens == 0
+        )
+
     def in_flight_tokens(self) -> int:
         """Tokens still to compute for held work: prompts not prefilled yet plus output not generated yet."""
         total = 0
@@ -216,12 +235,25 @@ class JobRunner:
         job.stop = True
         await self.io.backend.abort(job.request_id)
 
+    async def hand_on_abandoned(self, job: Job) -> None:
+        """A job on a dead engine whose stream has not ended (the engine will never end it): stop waiting for it and
+        hand its work on from what it streamed so far. A job that already ended is left as it is."""
+        task = job.task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if not job.outcome:
+            await self._hand_on(job)
+
     # -- running -------------------------------------------------------------------------------------------------
 
     async def _run(self, job: Job) -> None:
         try:
             if job.stop:  # stopped before it started: hand it on untouched (or answer an abort)
                 await self._stopped(job)
+            elif not await self._resolve(job):
+                pass  # its prompt cannot be rebuilt: failed for good, the client told why
             elif job.remaining_tokens == 0 and job.kind != "decode":
                 await self._send(job, [], None, final=True, reason="length")
                 await self._finished(job, "length")
@@ -230,9 +262,18 @@ class JobRunner:
             elif job.kind == "decode":
                 await self._run_decode(job)
             else:
-                await self._stream(job, self.io.backend.generate(job.request))
+                await self._stream(job, self.io.backend.generate(job.backend_request))
         except asyncio.CancelledError:
             raise  # the agent is going away: the unacked message is redelivered
+        except EngineDead as exc:
+            # Not the request's fault and no retry here: hand it on at once (exactly after what was streamed) and
+            # let the agent leave (`EngineAgent.engine_dead`).
+            self.io.engine_dead(exc)
+            await self._hand_on(job)
+        except MessageTooLarge as exc:  # its handoff or migration can never be published: no retry helps
+            self.io.log.warning("work_too_large", request_id=job.request_id, kind=job.kind, error=str(exc))
+            await self._failed(job.request, job.msg, str(exc), job.next_index, kind="payload_too_large")
+            job.outcome = "failed"
         except (BackendError, *BUS_ERRORS) as exc:  # the engine failed the request, or the bus did
             self.io.metrics.count_error("engine")
             self.io.log.error("job_failed", request_id=job.request_id, kind=job.kind, error=repr(exc))
@@ -250,11 +291,23 @@ class JobRunner:
                 del self.jobs[job.request_id]
             self.freed.set()
 
+    async def _resolve(self, job: Job) -> bool:
+        """Rebuild the job's whole prompt from a lean request (`contexts.py`); False: it never can, and the job was
+        failed with the reason. Bus errors propagate to `_run`, which redelivers the work."""
+        try:
+            job.resolved = await self.io.contexts.resolve(job.request)
+        except ContextLogError as exc:
+            self.io.log.warning("context_unresolvable", request_id=job.request_id, error=str(exc))
+            await self._failed(job.request, job.msg, str(exc), job.next_index, kind="unresolvable_context")
+            job.outcome = "failed"
+            return False
+        return True
+
     async def _run_prefill(self, job: Job) -> None:
         req = job.request
         job.phase = "prefill"
         try:
-            res = await self.io.backend.prefill(req)
+            res = await self.io.backend.prefill(job.backend_request)
         except RequestAborted:
             if not job.stop:
                 raise
@@ -290,7 +343,9 @@ class JobRunner:
         if final:
             await self._finished(job, "length")
             return
-        await self._stream(job, self.io.backend.decode(h))
+        await self._stream(
+            job, self.io.backend.decode(msgspec.structs.replace(h, request=job.backend_request))
+        )
 
     async def _stream(self, job: Job, stream: AsyncIterator[GenChunk]) -> None:
         """Relay a backend stream to the client until it finishes, or until the job is asked to stop."""

@@ -18,6 +18,7 @@ float32 checkpoint to bfloat16 unless the engine is given dtype="float32".
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 # Shape of the tiny model; the KV footprint is 4 layers x 2 KV heads x (64 + 64) x 4 bytes = 4 KiB/token.
 TINY_QWEN2_SHAPE: dict[str, int] = {
@@ -31,19 +32,72 @@ TINY_QWEN2_SHAPE: dict[str, int] = {
 }
 
 
-def build_tiny_qwen2(path: str, seed: int = 0, dtype: str = "float32") -> str:
+# The MoE variant (`build_tiny_qwen3_moe`): Qwen3-MoE's architecture at the dense model's size, 8 routed experts
+# of which each token takes 2, so vLLM's fused-MoE path (and expert parallelism, where the platform has it) runs.
+TINY_QWEN3_MOE_SHAPE: dict[str, int] = {
+    **TINY_QWEN2_SHAPE,
+    "head_dim": 64,
+    "moe_intermediate_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
+
+ARCHITECTURES = ("qwen2", "qwen3-moe")
+
+
+def build_tiny_model(
+    path: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    arch: str = "qwen2",
+    max_position_embeddings: int | None = None,
+) -> str:
+    """`build_tiny_qwen2` or `build_tiny_qwen3_moe` by `arch`. Raises ValueError on an unknown one."""
+    if arch == "qwen2":
+        return build_tiny_qwen2(path, seed, dtype, max_position_embeddings)
+    if arch == "qwen3-moe":
+        return build_tiny_qwen3_moe(path, seed, dtype, max_position_embeddings)
+    raise ValueError(f"unknown tiny-model architecture {arch!r} (known: {', '.join(ARCHITECTURES)})")
+
+
+def build_tiny_qwen3_moe(
+    path: str, seed: int = 0, dtype: str = "float32", max_position_embeddings: int | None = None
+) -> str:
+    """Write a random tiny Qwen3-MoE checkpoint to `path` (as `build_tiny_qwen2`, with `TINY_QWEN3_MOE_SHAPE`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(TINY_QWEN3_MOE_SHAPE)
+    if max_position_embeddings is not None:
+        shape["max_position_embeddings"] = max_position_embeddings
+    config = Qwen3MoeConfig(
+        **shape,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        norm_topk_prob=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _save(Qwen3MoeForCausalLM, config, path, seed, dtype)
+
+
+def build_tiny_qwen2(
+    path: str, seed: int = 0, dtype: str = "float32", max_position_embeddings: int | None = None
+) -> str:
     """Write a random tiny Qwen2 checkpoint (config + safetensors, no tokenizer) to `path`; return `path`.
 
     The same `seed` gives the same weights, so two engines (or two test runs) load the same model.
     `dtype` is a torch dtype name ("float32", "bfloat16") used both for the tensors and in the config.
-    Raises ImportError when torch or transformers are missing (they come with vLLM).
+    `max_position_embeddings`: the longest context the model claims (default 4,096; vLLM refuses a longer
+    `max_model_len`). Raises ImportError when torch or transformers are missing (they come with vLLM).
     """
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
+    shape = dict(TINY_QWEN2_SHAPE)
+    if max_position_embeddings is not None:
+        shape["max_position_embeddings"] = max_position_embeddings
     config = Qwen2Config(
-        **TINY_QWEN2_SHAPE,
+        **shape,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         initializer_range=0.1,
@@ -52,12 +106,19 @@ def build_tiny_qwen2(path: str, seed: int = 0, dtype: str = "float32") -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
+    return _save(Qwen2ForCausalLM, config, path, seed, dtype)
+
+
+def _save(model_cls: Any, config: Any, path: str, seed: int, dtype: str) -> str:
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
     config.dtype = dtype
     # A private generator keeps the caller's global torch RNG untouched.
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch_dtype).eval()
+        model = model_cls(config).to(torch_dtype).eval()
     finally:
         torch.random.set_rng_state(generator_state)
     out_dir = Path(path)

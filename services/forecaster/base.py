@@ -6,7 +6,10 @@ A predictor observes two kinds of input, cleaned once here so no subclass repeat
   - `Picture`: the live trajectories of one tracker snapshot as arrays (`picture.py` builds it), with the
     lifecycle distributions and the caller's hints.
 It answers `predict(now, horizons) -> DemandForecast` with q10 <= q50 <= q90, all >= 0, for every horizon; with
-`calibrate=True` its q10/q90 are recalibrated online on its own matured forecasts (`calibration.py`).
+`calibrate=True` its q10/q90 are recalibrated online on its own matured forecasts (`calibration.py`). Once it has
+seen a picture, every quantile — the model's, then the calibrated one — is kept within the physically possible
+range of the newest picture (`bounds.py`); this happens here, in `forecast_triples`, the one path every
+forecast takes (a member's inside the ensemble too).
 Predictors that fit a model offer `refit_job(now)`: a pure callable over copied inputs that may run on another
 thread, whose result `install()` adopts on the caller's thread; `refit(now)` does both synchronously.
 """
@@ -22,8 +25,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from proto import DemandForecast, HorizonForecast, Quantiles
+from services.forecaster.bounds import demand_bound
 from services.forecaster.calibration import Calibrator
-from services.forecaster.picture import Picture
+from services.forecaster.picture import QUEUED, Picture
 from services.forecaster.series import HORIZONS_S, METRICS, SeriesPoint
 
 # One forecast per metric and horizon: (q10, q50, q90).
@@ -72,6 +76,18 @@ def clean_triple(q10: float, q50: float, q90: float) -> Triple:
     return vals[0], vals[1], vals[2]
 
 
+def bounded(fc: MetricForecast, bound: dict[str, list[float]] | None) -> MetricForecast:
+    """`fc` cleaned (`clean_triple`: finite, >= 0, ordered) and, with a bound, each quantile at most the bound."""
+    out: MetricForecast = {}
+    for m, rows in fc.items():
+        cap = bound.get(m) if bound is not None else None
+        clean = [clean_triple(*t) for t in rows]
+        if cap is not None:
+            clean = [(min(a, u), min(b, u), min(c, u)) for (a, b, c), u in zip(clean, cap, strict=True)]
+        out[m] = clean
+    return out
+
+
 class Predictor(ABC):
     """Base class; subclasses set `name` and implement `_forecast`, optionally `_on_point`/`_on_picture`."""
 
@@ -91,6 +107,7 @@ class Predictor(ABC):
         self.points = 0
         # q10/q90 recalibrated online on this predictor's own matured forecasts (calibration.py)
         self.calibrator = Calibrator(self.horizons_s, window_s) if calibrate else None
+        self.picture: Picture | None = None  # the newest picture: the live trajectories the bound counts
 
     # --- input ------------------------------------------------------------------------------------------------
     def observe(self, item: SeriesPoint | Picture, now: float) -> None:
@@ -104,6 +121,7 @@ class Predictor(ABC):
                     self.calibrator.observe(point)
                 self._on_point(point)
         elif isinstance(item, Picture):
+            self.picture = item
             self._on_picture(item)
         else:
             raise TypeError(f"cannot observe {type(item).__name__}")
@@ -141,11 +159,26 @@ class Predictor(ABC):
         return DemandForecast(ts_s=float(now), predictor=self.name, horizons=out)
 
     def forecast_triples(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
-        """`_forecast`, calibrated when this predictor calibrates (what `predict` publishes, before cleaning)."""
-        fc = self._forecast(now, horizons)
+        """`_forecast`, calibrated when this predictor calibrates, within the demand bound (module header): what
+        `predict` publishes. The model's forecast is bounded before calibration too, so the calibrator never
+        learns from, or scales, a band wider than what is possible."""
+        bound = self.bound(now, horizons)
+        fc = bounded(self._forecast(now, horizons), bound)
         if self.calibrator is not None:
-            fc = self.calibrator.adjust(now, horizons, fc)
+            fc = bounded(self.calibrator.adjust(now, horizons, fc), bound)
         return fc
+
+    def bound(self, now: float, horizons: Sequence[float]) -> dict[str, list[float]] | None:
+        """The upper end of the physically possible range per metric and horizon (`bounds.py`), from the newest
+        picture; None before a picture with the run's distributions was seen (then only >= 0 holds)."""
+        pic = self.picture
+        if pic is None or pic.distributions is None:
+            return None
+        queued = pic.context[pic.state == QUEUED]
+        pending = [(max(0.0, p.at_s - now), float(p.prompt_tokens)) for p in pic.pending]
+        return demand_bound(
+            pic.distributions.limits, pic.n, queued, float(pic.context.sum()), pending, horizons
+        )
 
     @abstractmethod
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:

@@ -9,16 +9,26 @@ Method, per metric i and horizon j (the predictor's configured horizons; a forec
 the nearest one's adjustment):
   1. Every forecast (at most one per series window) is remembered raw, with the calibrated band it was issued
      with. Once the series covers (t, t+h] (`series.realised`, the same definitions the evaluation scores), its
-     scores are e_hi = (y - q90) / s and e_lo = (q10 - y) / s, s = max(q90 - q10, 5 % of the long-run mean
-     |y|): normalised conformal scores (Romano et al. 2019, "conformalized quantile regression", with the
-     band's width as the local scale), the last `window` of each kept.
-  2. The calibrated band is q90 + s * Q(e_hi, 1 - b_hi) and q10 - s * Q(e_lo, 1 - b_lo): it widens where the
-     model's band was too narrow and narrows where it was too wide. q50 is left alone (it is what WAPE scores).
+     scores are e_hi = (y - q50) / s_hi and e_lo = (q50 - y) / s_lo, where s_hi = max(q90 - q50, f S) and
+     s_lo = max(q50 - q10, f S) are the model's own half-widths, floored at f = 5 % of S, the long-run mean |y|
+     (normalised conformal scores with the band as the local scale: Romano et al. 2019, "conformalized quantile
+     regression"); the last `window` of each kept.
+  2. The calibrated band is q50 + s_hi * k_hi and q50 - s_lo * k_lo, k = Q(e, 1 - b) clipped to [0, K_MAX]: each
+     half of the model's band is stretched or shrunk by a factor learnt from its own errors. q50 is left alone
+     (it is what WAPE scores), and the band never crosses it.
   3. The levels b adapt (Gibbs & Candes 2021, "adaptive conformal inference"): when a matured forecast's issued
      q90 was exceeded, b_hi <- b_hi + gamma * (alpha - 1), else b_hi <- b_hi + gamma * alpha (likewise for q10
      from below). Whatever the series does — bursts at a step's start, a long tail — the long-run share of
      misses on each side then tends to alpha = 0.1: coverage90 (y <= q90) -> 0.90 and coverage80 (q10 <= y <=
      q90) -> 0.80, within (b's range) / (gamma * forecasts). Feedback comes h late; that only slows it.
+The rule at a regime change, and its bound: a burst, a silence or a drain the model did not see coming gives large
+scores, and the level b falls after each miss, so the band widens — by at most K_MAX = 4 times the model's own
+half-width (or 4 f S = 0.2 S where that half-width is narrower than f S), on each side. Why the factor is taken
+around the median and capped: an earlier version added s * Q(e) to q90 with s the band's full width at the time of
+issue, so scores learnt while the band was narrow (a silence: s at its floor, scores of 20) multiplied a band that
+later widened a hundredfold, and with b at its floor Q was the window's largest score: the demo's decode band
+reached 8e7 tokens/s against a few hundred realised (issue 32). Scale-free factors on the current half-widths
+cannot compound that way, and the cap states how far a regime change can move a band.
 Until `min_scores` forecasts matured for (i, j), the model's band is used as it is. Non-finite inputs are ignored.
 """
 
@@ -34,6 +44,9 @@ from services.forecaster.series import METRICS, SeriesPoint, realised
 
 # (q10, q50, q90) per metric and horizon, as in base.MetricForecast (kept local: base imports this module)
 _Forecast = dict[str, list[tuple[float, float, float]]]
+
+# The most a calibrated half-band may be stretched: k in [0, K_MAX] times the model's half-width (module header).
+K_MAX = 4.0
 
 
 class Calibrator:
@@ -95,10 +108,10 @@ class Calibrator:
                 continue
             n = self.matured[i, j] = self.matured[i, j] + 1
             self.scale_long[i, j] += (abs(y) - self.scale_long[i, j]) / min(n, 1000)
-            q10, _, q90 = raw[i, j]
-            s = max(q90 - q10, self.scale_floor * self.scale_long[i, j], 1e-9)
-            self._scores[0][i][j].append((y - q90) / s)
-            self._scores[1][i][j].append((q10 - y) / s)
+            q10, q50, q90 = raw[i, j]
+            s_hi, s_lo = self._half_widths(i, j, q10, q50, q90)
+            self._scores[0][i][j].append((y - q50) / s_hi)
+            self._scores[1][i][j].append((q50 - y) / s_lo)
             tol = 1e-9 * max(abs(y), 1.0)
             for side, miss in ((0, y > cal[i, j, 1] + tol), (1, y < cal[i, j, 0] - tol)):
                 self.misses[side, i, j] += int(miss)
@@ -106,10 +119,15 @@ class Calibrator:
                 self.level[side, i, j] = min(max(b, 1e-3), 0.9)
         self._offsets = None
 
+    def _half_widths(self, i: int, j: int, q10: float, q50: float, q90: float) -> tuple[float, float]:
+        """(s_hi, s_lo): the model's half-widths above and below q50, floored at f S (module header)."""
+        floor = max(self.scale_floor * self.scale_long[i, j], 1e-9)
+        return max(q90 - q50, floor), max(q50 - q10, floor)
+
     # --- output -----------------------------------------------------------------------------------------------
     def offsets(self) -> np.ndarray:
-        """(2, metric, horizon): the score quantiles added (upper) and subtracted (lower), scaled by s; NaN where
-        too few forecasts matured."""
+        """(2, metric, horizon): the factors k_hi (upper) and k_lo (lower) the half-widths are multiplied by, in
+        [0, K_MAX]; NaN where too few forecasts matured."""
         if self._offsets is None:
             out = np.full((2, len(METRICS), len(self.horizons_s)), np.nan)
             for side in (0, 1):
@@ -117,7 +135,8 @@ class Calibrator:
                     for j in range(len(self.horizons_s)):
                         sc = self._scores[side][i][j]
                         if len(sc) >= self.min_scores:
-                            out[side, i, j] = _upper_quantile(sc, 1.0 - self.level[side, i, j])
+                            k = _upper_quantile(sc, 1.0 - self.level[side, i, j])
+                            out[side, i, j] = min(max(k, 0.0), K_MAX)
             self._offsets = out
         return self._offsets
 
@@ -134,9 +153,9 @@ class Calibrator:
                 if not (math.isfinite(q10) and math.isfinite(q90)) or math.isnan(hi):
                     rows.append((q10, q50, q90))
                     continue
-                s = max(q90 - q10, self.scale_floor * self.scale_long[i, j], 1e-9)
-                # never across the median: q50 is the model's, whatever the band does
-                rows.append((min(q10 - s * lo, q50), q50, max(q90 + s * hi, q50)))
+                s_hi, s_lo = self._half_widths(i, j, q10, q50, q90)
+                # k >= 0: never across the median (q50 is the model's, whatever the band does)
+                rows.append((q50 - s_lo * lo, q50, q50 + s_hi * hi))
             out[m] = rows
         if horizons == self.horizons_s:
             self._remember(now, fc, out)

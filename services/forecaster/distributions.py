@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.forecaster.bounds import Limits
 from services.forecaster.steps import StepLearner
 
 POOLED = "*"
@@ -119,6 +120,7 @@ class Distributions:
         # (task, kind) rings that hold at least one sample: a kind leaving its prior is worth a refit at once
         self.kinds_seen = 0
         self.steps = StepLearner()  # when the next RL step's first prompts come (steps.py)
+        self.limits = Limits()  # the largest values the run has shown: the demand bound's inputs (bounds.py)
 
     def _ring(self, task: str, kind: str) -> SampleRing:
         rings = self._rings.get(task)
@@ -148,6 +150,7 @@ class Distributions:
     def add_decode_rate(self, tokens_per_s: float) -> None:
         if not (tokens_per_s > 0.0) or not np.isfinite(tokens_per_s):
             return
+        self.limits.decode_rate(tokens_per_s)
         if self.decode_rate_tokens_per_s <= 0.0:
             self.decode_rate_tokens_per_s = tokens_per_s
         else:

@@ -36,7 +36,7 @@ MAX_TOKENS = 2**24  # the picture's limit on a context (picture.LIMITS)
 
 
 class _Traj:
-    __slots__ = ("task", "started_s", "last_turn", "context_tokens", "gap_start_s", "turns")
+    __slots__ = ("task", "started_s", "last_turn", "context_tokens", "gap_start_s", "turns", "submitted_s")
 
     def __init__(self, task: str, started_s: float | None) -> None:
         self.task = task
@@ -45,6 +45,7 @@ class _Traj:
         self.context_tokens = 0  # prompt + output of the newest turn
         self.gap_start_s: float | None = None  # when the trajectory left the model
         self.turns = 0
+        self.submitted_s: float | None = None  # when the newest turn was submitted
 
 
 class _Request:
@@ -109,6 +110,7 @@ class EventLearner:
         elif isinstance(event, TrajectoryStarted):
             self.distributions.steps.started(event.traj_id, event.policy_version, now)
             if event.traj_id not in self._trajs:
+                self.distributions.limits.started(now)
                 _bounded_put(self._trajs, event.traj_id, _Traj(event.task, now), self.max_tracked)
         elif isinstance(event, TrajectoryFinished):
             self._finished(event, now)
@@ -142,6 +144,9 @@ class EventLearner:
         if t.gap_start_s is not None:
             d.add(t.task, "gap_s", now - t.gap_start_s, True, turn=t.last_turn)
             t.gap_start_s = None
+        cycle = None if first or t.submitted_s is None else now - t.submitted_s
+        d.limits.turn(new, first, cycle)
+        t.submitted_s = now
         t.last_turn = ev.turn
         t.turns += 1
         t.context_tokens = ev.prompt_tokens
@@ -178,6 +183,7 @@ class EventLearner:
         r.finished = True
         t = self._traj(ev.traj_id)
         self.distributions.add(t.task, "output_tokens", ev.output_tokens, turn=ev.turn)
+        self.distributions.limits.output(ev.output_tokens)
         t.context_tokens = max(t.context_tokens, ev.prompt_tokens) + ev.output_tokens
         if ev.turn == t.last_turn and t.gap_start_s is None:
             t.gap_start_s = now

@@ -5,8 +5,10 @@ per turn, prefill and queue waits, the decode rate — is learnt online from thi
 (`learner.py`, `distributions.py`), per task and turn bucket, falling back to the run's pooled samples. Nothing
 is fitted offline to a trace. The priors, used only until the run has observed a kind, are stand-ins of the
 right order and no more (`lifecycle_model.PRIORS`: a 1 s gap, 256 tokens in and out per turn, 30 tokens/s), and
-are replaced as soon as one sample of that kind exists. What no series model has is the structure, one piece
-per term:
+are replaced as soon as one sample of that kind exists. With `prior` (`lifecycle_model.PriorSamples`: other
+workloads' gaps, outputs and new tokens — in `prorsa forecast-eval --leave-one-out`, the other shipped traces) a
+new workload starts from those distributions instead, each replaced, as a prior is, by the run's first own
+observation of its kind. What no series model has is the structure, one piece per term:
   term              structural knowledge it uses
   tool_call         a trajectory in a tool call returns (or ends) with a prompt whose context is known: the
                     tracker's context plus the new tokens of a turn; when, from the gap's conditional survival
@@ -67,7 +69,7 @@ from services.forecaster.distributions import (
     TaskSamples,
     turn_bucket,
 )
-from services.forecaster.lifecycle_model import impute_censored
+from services.forecaster.lifecycle_model import PriorSamples, impute_censored
 from services.forecaster.lifecycle_stack import Stack, build_stack, stacked_moments
 from services.forecaster.lifecycle_tables import TaskTable, build_task_table
 from services.forecaster.picture import DECODE, QUEUED, TOOL_CALL, Picture
@@ -99,8 +101,10 @@ class LifecyclePredictor(Predictor):
         rate_history: int = 300,
         calibrate: bool = True,
         next_step: bool = True,
+        prior: PriorSamples | None = None,
     ) -> None:
         super().__init__(horizons_s, window_s, calibrate=calibrate)
+        self.prior = prior  # other workloads' samples a new one starts from (None: the round PRIORS)
         self.next_step = next_step  # forecast the next RL step's first turns while the run is drained
         self.paths = paths
         self.min_task_samples = min_task_samples
@@ -119,7 +123,12 @@ class LifecyclePredictor(Predictor):
         self._scratch: dict[str, np.ndarray] = {}  # reusable buffers of the vectorised sum
         self.tables: dict[str, TaskTable] = {
             POOLED: build_task_table(
-                None, 0.0, self.horizons_s, np.random.default_rng(self._seeds.spawn(1)[0]), paths=paths
+                None,
+                0.0,
+                self.horizons_s,
+                np.random.default_rng(self._seeds.spawn(1)[0]),
+                paths=paths,
+                prior=prior,
             )
         }
 
@@ -178,11 +187,12 @@ class LifecyclePredictor(Predictor):
         seed = self._seeds.spawn(1)[0]
         hs, paths, min_n = self.horizons_s, self.paths, self.min_task_samples
         reuse = dict(self._reuse)  # tables are immutable: sharing them with the job's thread is safe
+        prior = self.prior
 
         def job() -> Fitted:
             rng = np.random.default_rng(seed)
             built: dict[str, tuple[Hashable, TaskTable]] = {}
-            tables = build_tables(view, rate, hs, rng, live, paths, min_n, censored, reuse, built)
+            tables = build_tables(view, rate, hs, rng, live, paths, min_n, censored, reuse, built, prior)
             return view.version, tables, built
 
         return job
@@ -339,6 +349,7 @@ def build_tables(
     censored: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
     reuse: dict[str, tuple[Hashable, TaskTable]] | None = None,
     built: dict[str, tuple[Hashable, TaskTable]] | None = None,
+    prior: PriorSamples | None = None,
 ) -> dict[str, TaskTable]:
     """Tables for the pooled task, every task and every (task, turn bucket) with enough observations (pure).
 
@@ -368,7 +379,7 @@ def build_tables(
             if s is not None and key in cens:
                 s = _with_censored(s, *cens[key], rng)
             tables[key] = build_task_table(
-                s, rate_tokens_per_s, horizons_s, rng, turns, paths, start_turns=starts
+                s, rate_tokens_per_s, horizons_s, rng, turns, paths, start_turns=starts, prior=prior
             )
         if fp is not None and built is not None:
             built[key] = (fp, tables[key])

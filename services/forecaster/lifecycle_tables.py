@@ -28,6 +28,7 @@ from services.forecaster.distributions import TaskSamples
 from services.forecaster.lifecycle_model import (
     ContTable,
     Inputs,
+    PriorSamples,
     continuation_table,
     draw,
     make_inputs,
@@ -203,15 +204,17 @@ def build_task_table(
     paths: int = 2048,
     min_tail: int = 20,
     start_turns: np.ndarray | None = None,
+    prior: PriorSamples | None = None,
 ) -> TaskTable:
     """All tables of one task from its samples (None: priors only). Pure; seeded by `rng`.
 
     `live_turns`: current turn of this task's live trajectories (censored turn counts for the hazard);
-    `start_turns`: the turns the continuation table's paths start at (default: the live trajectories' next)."""
+    `start_turns`: the turns the continuation table's paths start at (default: the live trajectories' next);
+    `prior`: other workloads' samples, weighed in beside this task's own (`lifecycle_model.PriorSamples`)."""
     from services.forecaster.picture import DECODE, PREFILL, QUEUED, TOOL_CALL
 
     hs = np.array(sorted(horizons_s), dtype=np.float64)
-    inp = make_inputs(samples, rate_tokens_per_s)
+    inp = make_inputs(samples, rate_tokens_per_s, prior)
     live = live_turns if live_turns is not None else np.zeros(0, dtype=np.int64)
     hazard = turn_hazard(inp.turns, live, inp.finish_fraction)
     starts = start_turns if start_turns is not None else live + 1

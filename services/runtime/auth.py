@@ -6,11 +6,12 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
   role         publishes (ns = namespace)                               subscribes
   trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
                ns.policy.version, ns.health (requests), ns.errors,      ns.ack.*, ns.forecast, ns.allocator.plan,
-               ns.abort                                                 ns.errors
+               ns.abort, ns.ctx.> (context log; purges it)              ns.errors
   engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health,
                                                                         ns.abort
                ns.work.{prefill,decode}.any (handoffs, hand-on),
-               ns.reply.> (token streams), ns.errors
+               ns.reply.> (token streams), ns.errors;
+               reads the context log (direct get)
   tracker      ns.tracker.snapshot, ns.errors;                          ns.health (EVENTS through JetStream)
                its checkpoints: the object store NS_TRACKER (only it)
   forecaster   ns.forecast, ns.errors                                   ns.tracker.snapshot, ns.lifecycle,
@@ -93,7 +94,7 @@ class _Grants:
 
 
 def _streams(s: Subjects) -> tuple[str, ...]:
-    return (s.work_stream, s.events_stream, s.replies_stream)
+    return (s.work_stream, s.events_stream, s.context_stream, s.replies_stream)
 
 
 def _ensure_streams(s: Subjects) -> list[str]:
@@ -124,6 +125,8 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
             s.prefill_work_any,
             s.decode_work_any,
             f"{ns}.reply.>",
+            # The context log: read a trajectory's prompt segments with direct gets (proto/context_log.py).
+            f"{JS_API}.DIRECT.GET.{s.context_stream}",
             *_pull(
                 w,
                 [
@@ -206,6 +209,9 @@ def _trainer(s: Subjects) -> _Grants:
             s.health,
             s.abort,
             *replay,
+            # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes.
+            *s.context_stream_subjects,
+            f"{JS_API}.STREAM.PURGE.{s.context_stream}",
         ],
         # lifecycle: a trainer's rollout recorder reads the turns submitted (its own and its peers': the events say
         # no more than the trainer already knows of its trajectories).

@@ -9,6 +9,9 @@ whose settings differ):
   before acking leaves its work to be redelivered to another engine after `ack_wait`.
 - EVENTS: a limits stream retaining client lifecycle and engine events, so a tracker that restarts rebuilds its
   state by replaying it.
+- CONTEXT: a limits stream holding each live trajectory's context log (`proto/context_log.py`): the prompt
+  segments a client writes before each turn, read back by an engine that lacks a turn's prefix. The client purges a
+  trajectory's subjects when it finishes; `context_max_age_s()` bounds what a client that died leaves behind.
 - REPLIES: a limits stream keeping the token chunks engines publish on `ns.reply.>` for `REPLIES_MAX_AGE_S`.
   Engines publish them with plain core-NATS publishes (no acknowledgement to wait for, so streaming costs what it
   did), and clients receive them live through core subscriptions as before; the stream only lets a client read
@@ -57,6 +60,10 @@ WORK_MAX_DELIVER = 20
 EVENTS_MAX_DELIVER = 5
 REPLIES_MAX_AGE_S = 600.0  # wall seconds a token chunk stays readable after it was streamed
 REPLIES_MAX_BYTES = 512 * 1024 * 1024  # the oldest chunks go first beyond this
+DEFAULT_CONTEXT_MAX_AGE_S = 24 * 3600.0
+# nats-server's own default max_payload (1 MiB): the lean wire keeps every message of a 256k-token context under it.
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+MAX_MAX_PAYLOAD = 64 * 1024 * 1024  # nats-server refuses more
 QUEUE_FULL_ERR_CODE = 10077  # JetStream: "maximum messages per subject exceeded" (a full work queue)
 DEFAULT_WORK_QUEUE_MAX = 4096
 
@@ -72,6 +79,45 @@ def work_queue_max() -> int:
     if value < 1:
         raise ValueError(f"PRORSA_WORK_QUEUE_MAX must be ≥ 1, got {value}")
     return value
+
+
+def _env_number(name: str, default: float, low: float, high: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError as exc:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from exc
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value:g}")
+    return value
+
+
+def max_payload_bytes() -> int:
+    """The largest message the bus takes, in bytes: $PRORSA_MAX_PAYLOAD, default 1 MiB (nats-server's default).
+    An embedded server (`prorsa up`, tests) is started with it; a client checks what it publishes against the limit
+    its server announces. Raise it on the nats-server of a cluster you run yourself, with the same variable for
+    Prorsa's processes."""
+    return int(_env_number("PRORSA_MAX_PAYLOAD", DEFAULT_MAX_PAYLOAD, 64 * 1024, MAX_MAX_PAYLOAD))
+
+
+def context_max_age_s() -> float:
+    """Seconds a context-log segment outlives its writer at most: $PRORSA_CONTEXT_MAX_AGE_S, default 24 h (longer
+    than any trajectory should live; a finished trajectory's segments are purged at once)."""
+    return _env_number("PRORSA_CONTEXT_MAX_AGE_S", DEFAULT_CONTEXT_MAX_AGE_S, 60.0, 365 * 86400.0)
+
+
+class MessageTooLarge(ValueError):
+    """A message over the server's max_payload: publishing it would only fail, so it is never sent."""
+
+
+def check_size(subject: str, data: bytes, max_payload: int) -> bytes:
+    """`data`, unless it exceeds `max_payload` (the server's, as announced). Raises MessageTooLarge naming both."""
+    if len(data) > max_payload:
+        raise MessageTooLarge(
+            f"a message of {len(data)} bytes for {subject} exceeds the server's max_payload of {max_payload} bytes "
+            "(a whole context sent without the lean wire? PRORSA_MAX_PAYLOAD and the server's config raise it)"
+        )
+    return data
 
 
 def is_queue_full(exc: BaseException) -> bool:
@@ -186,7 +232,7 @@ async def connect(
 async def ensure_streams(
     js: JetStreamContext, subjects: Subjects, events_max_age_s: float = DEFAULT_EVENTS_MAX_AGE_S
 ) -> None:
-    """Create the WORK, EVENTS and REPLIES streams if missing; an existing stream is updated to the same config."""
+    """Create the WORK, EVENTS, CONTEXT and REPLIES streams if missing; an existing stream is updated to the same config."""
     configs = [
         StreamConfig(
             name=subjects.work_stream,
@@ -203,6 +249,14 @@ async def ensure_streams(
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=events_max_age_s,
+        ),
+        StreamConfig(
+            name=subjects.context_stream,
+            subjects=subjects.context_stream_subjects,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,  # survives engines and a server restart: that is its point
+            max_age=context_max_age_s(),
+            allow_direct=True,  # engines read segments with direct gets: no consumer per read
         ),
         StreamConfig(
             name=subjects.replies_stream,

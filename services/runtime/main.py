@@ -63,4 +63,4 @@ def run_service_main(
     finally:
         if embedded is not None:
             embedded.stop(remove_store=True)
-    return 0
+    return service.exit_code

@@ -4,7 +4,9 @@ Used when no `--nats` URL / `PRORSA_NATS_URL` is given, and by the tests' fixtur
 loopback port and keeps its JetStream store in a temporary directory that is removed on stop (unless a store
 directory is given, which lets a test restart the server on the same store and port). With `config_file` it
 also loads that config (users and permissions, TLS: see `bus_secrets.py`); without one it is open to anyone who
-reaches the loopback port, which the tests' fixture relies on.
+reaches the loopback port, which the tests' fixture relies on. Its max_payload is `max_payload` (default
+$PRORSA_MAX_PAYLOAD, `bus.max_payload_bytes()`), set through a small config file that includes the given one
+(nats-server has no flag for it, and includes only relative paths, so that file sits beside the given one).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from services.runtime.bus import max_payload_bytes
 
 
 class NatsServerError(RuntimeError):
@@ -67,9 +71,14 @@ class EmbeddedNatsServer:
         store_dir: str | None = None,
         log_file: str | None = None,
         config_file: str | None = None,
+        max_payload: int | None = None,
+        extra_config: str = "",
     ) -> None:
+        """`extra_config`: more server config lines (e.g. `http: 127.0.0.1:8222` for monitoring in a benchmark)."""
         self.port = port or free_port()
         self.config_file = config_file
+        self.max_payload = max_payload if max_payload is not None else max_payload_bytes()
+        self.extra_config = extra_config
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="prorsa-js-")
         self.log_file = log_file
@@ -83,8 +92,7 @@ class EmbeddedNatsServer:
         if self._proc is not None and self._proc.poll() is None:
             return self
         cmd = [find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
-        if self.config_file:
-            cmd += ["-c", self.config_file]  # the flags above override any listen/store setting in it
+        cmd += ["-c", self._write_config()]  # the flags above override any listen/store setting in it
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 - owned by Popen
         # Its own session: a terminal's Ctrl-C goes to the whole foreground process group, and the server must
         # outlive the services that are still draining on it; whoever started it stops it (`stop`, atexit).
@@ -102,6 +110,20 @@ class EmbeddedNatsServer:
         self.stop()
         raise NatsServerError(f"nats-server did not listen on port {self.port} within {timeout_s} s")
 
+    def _write_config(self) -> str:
+        """The config file the server loads: max_payload, then the given config (if any) included."""
+        text = f"max_payload: {int(self.max_payload)}\n{self.extra_config}\n"
+        if self.config_file:
+            given = Path(self.config_file)
+            path = given.parent / f".{given.name}.prorsa-{self.port}.conf"
+            text += f'include "./{given.name}"\n'
+        else:
+            Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(self.store_dir) / "prorsa-server.conf"
+        path.write_text(text)
+        path.chmod(0o600)
+        return str(path)
+
     def stop(self, remove_store: bool = False) -> None:
         atexit.unregister(self.stop)
         proc, self._proc = self._proc, None
@@ -112,6 +134,12 @@ class EmbeddedNatsServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if (
+            self.config_file
+        ):  # the wrapper written beside the given config (`_write_config`); rewritten by start()
+            Path(self.config_file).with_name(
+                f".{Path(self.config_file).name}.prorsa-{self.port}.conf"
+            ).unlink(missing_ok=True)
         if remove_store and self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 

@@ -42,7 +42,14 @@ from nats.js import JetStreamContext
 
 import proto
 from proto import ErrorReply, HealthReply, HealthRequest, Message, ProtoError, Subjects
-from services.runtime.bus import BUS_ERRORS, connect, ensure_streams, is_queue_full, js_publish_patiently
+from services.runtime.bus import (
+    BUS_ERRORS,
+    check_size,
+    connect,
+    ensure_streams,
+    is_queue_full,
+    js_publish_patiently,
+)
 from services.runtime.clock import Clock
 from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
@@ -80,6 +87,7 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started_mono = time.monotonic()  # wall: uptime is the process's, not the workload's
         self.status: str = "ok"
+        self.exit_code = 0  # what the process exits with once the service stopped (`run_service_main`)
         self.failed_tasks: dict[str, str] = {}  # task name -> its exception: reported as "unhealthy"
         self.bugs: dict[str, str] = {}  # where -> the last bug of ours a broad catch survived: "degraded"
         self.bad_input = 0  # messages rejected as bad input (undecodable, wrong type or version, invalid)
@@ -199,8 +207,11 @@ class Service:
 
     # --- messaging helpers ------------------------------------------------------------------------------------
     async def publish(self, subject: str, msg: Message, reply: str = "") -> None:
+        """Raises MessageTooLarge for a message over the server's max_payload (nothing is sent)."""
         assert self.nc is not None
-        await self.nc.publish(subject, proto.encode(msg), reply=reply)
+        await self.nc.publish(
+            subject, check_size(subject, proto.encode(msg), self.nc.max_payload), reply=reply
+        )
         self.metrics.count_out(subject)
 
     async def js_publish(
@@ -208,14 +219,16 @@ class Service:
     ) -> None:
         """Publish into a stream; `msg_id` lets JetStream drop a duplicate publish (idempotent retries). A full work
         queue or a server restart is waited out for up to `wait_s` wall seconds (counted as `publish_retry`); then
-        the error is raised."""
-        assert self.js is not None
+        the error is raised. Raises MessageTooLarge for a message over the server's max_payload (nothing is sent,
+        nothing retried: it would fail every time)."""
+        assert self.js is not None and self.nc is not None
+        data = check_size(subject, proto.encode(msg), self.nc.max_payload)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
 
         def on_retry(exc: BaseException) -> None:
             self.metrics.count_error("queue_full" if is_queue_full(exc) else "publish_retry")
 
-        await js_publish_patiently(self.js, subject, proto.encode(msg), headers, wait_s, on_retry)
+        await js_publish_patiently(self.js, subject, data, headers, wait_s, on_retry)
         self.metrics.count_out(subject)
 
     async def receive(self, msg: Msg, expected: Any = None) -> Message | None:

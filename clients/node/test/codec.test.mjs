@@ -3,12 +3,12 @@
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
-import { decodeAs, encode, EngineDirectory, ProtoError, StreamAssembler, Subjects } from "../prorsa.mjs";
+import { decodeAs, encode, EngineDirectory, packIds, ProtoError, segmentParts, StreamAssembler, Subjects } from "../prorsa.mjs";
 
 const bytes = (obj) => new TextEncoder().encode(JSON.stringify(obj));
 const chunk = (index, tokens, extra = {}) => ({
   type: "token_chunk",
-  schema_version: 1,
+  schema_version: 2,
   request_id: "t:0",
   index,
   token_ids: tokens,
@@ -19,9 +19,9 @@ const chunk = (index, tokens, extra = {}) => ({
 
 test("decoding refuses another schema version, another type, a missing field and bytes that are not JSON", () => {
   assert.equal(decodeAs(bytes(chunk(0, [1])), "token_chunk", "s", ["request_id"]).index, 0);
-  assert.throws(() => decodeAs(bytes({ ...chunk(0, [1]), schema_version: 2 }), "token_chunk", "s"), /schema version 2/);
+  assert.throws(() => decodeAs(bytes({ ...chunk(0, [1]), schema_version: 1 }), "token_chunk", "s"), /schema version 1/);
   assert.throws(() => decodeAs(bytes(chunk(0, [1])), "engine_stats", "s"), /expected engine_stats/);
-  assert.throws(() => decodeAs(bytes({ type: "token_chunk", schema_version: 1 }), "token_chunk", "s", ["index"]), ProtoError);
+  assert.throws(() => decodeAs(bytes({ type: "token_chunk", schema_version: 2 }), "token_chunk", "s", ["index"]), ProtoError);
   assert.throws(() => decodeAs(new TextEncoder().encode("{nope"), "token_chunk", "s"), /not JSON/);
   const out = JSON.parse(new TextDecoder().decode(encode("turn_submitted", { traj_id: "t", turn: 0 })));
   assert.deepEqual(Object.keys(out).slice(0, 2), ["type", "schema_version"]);
@@ -62,4 +62,14 @@ test("affinity only to an engine with fresh stats, a prefill-capable role, not s
   assert.equal(d.affinityTarget("a", 1500), "a");
   assert.equal(new Subjects("my-ns").workStream, "MY_NS_WORK");
   assert.throws(() => new Subjects("a.b"), /invalid namespace/);
+});
+
+test("a context-log segment is 32-bit little-endian ids in parts under max_payload, as proto/README.md says", () => {
+  assert.deepEqual([...packIds([1, 258, 4294967295])], [1, 0, 0, 0, 2, 1, 0, 0, 255, 255, 255, 255]);
+  assert.throws(() => packIds([-1]), /not in 0..2\^32-1/);
+  const parts = segmentParts(3, 40, Array.from({ length: 600 }, (_, i) => i), 2048); // 256 ids a part
+  assert.deepEqual(parts.map((p) => p.headers["Prorsa-Part"]), ["0/3", "1/3", "2/3"]);
+  assert.equal(parts[0].headers["Prorsa-Prefix-Len"], "40");
+  assert.equal(parts[2].body.length, (600 - 512) * 4);
+  assert.equal(new Subjects().context("t-1", 4), "prorsa.ctx.t-1.4");
 });

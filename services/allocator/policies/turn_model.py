@@ -16,6 +16,9 @@ Stations a turn visits (Schweitzer's approximate mean value analysis, solved as 
   engine's prefill rate. A split's prefill engine holds the prompt it computed but not the decode engine's answer,
   so it recomputes the last output (`prorsa.sim.engine` header; vLLM's KV connectors do not send KV back):
   uncached = new + output tokens; a mixed engine caches prompt + answer, so uncached = new tokens;
+  a prefix survives only while the engine's cache holds it (`cache_hit_share`): past the KV capacity, least
+  recently used prefixes are evicted between two turns of their trajectory, and those turns recompute their whole
+  context — the term that decides how many prefill engines a long-context agent at high concurrency needs;
 * handoff: a delay of the KV transfer of the context (split only);
 * decode: D engines, continuous batching. A sequence arriving on an engine with q others decodes at the step
   time of a batch of q + 1 (arrival theorem), capped by the batch limit (max_batch and KV room), beyond which it
@@ -151,6 +154,21 @@ def _congested_miss_share(
     )
 
 
+def cache_hit_share(capacity_tokens: float, working_set_tokens: float) -> float:
+    """The share of turns whose prefix an engine's LRU prefix cache still holds when the trajectory comes back:
+    min(1, capacity / working set). Che's approximation of LRU (Che, Tung and Wang, IEEE JSAC 2002) under
+    independent references — each trajectory's prefix is reused about once per turn cycle, in an order the
+    tool calls shuffle — gives a hit probability 1 − exp(−T/R) for every item, with T the cache's characteristic
+    time; filling the capacity (Σ size × (1 − exp(−T/R)) = capacity) makes it capacity / working set. The
+    engines' caches are LRU by last insertion (`services.engine_agent.prefix_cache`, vLLM's and SGLang's evictors)
+    bounded by the KV capacity left after running work; the working set is the cached prefixes of the live
+    trajectories homed on the engine (CALIBRATION.md: hit rates of 0.61 under LRU on Mooncake's tool-agent trace and
+    below 20 % on a decode rank holding ~162k tokens for 50 prefix groups — the pressure this term prices)."""
+    if working_set_tokens <= capacity_tokens:
+        return 1.0
+    return max(0.0, capacity_tokens) / working_set_tokens
+
+
 def _elsewhere(engines: int) -> float:
     """The share of turns sent away from their engine that land on another one. Placement pulls (prorsa.sim.router,
     the client's directory): a turn its engine cannot take now goes to the shared queue, and whichever of the
@@ -188,6 +206,9 @@ def _disaggregated(
     # engine takes it (`_elsewhere`).
     threshold_tokens = affinity_s * p.prefill_tokens_per_s
     elsewhere = _elsewhere(n_prefill)
+    # A prefill engine's cache holds the prompts it computed (nothing else runs there for long): each live
+    # trajectory's last prompt, on the engine it was placed on.
+    kept = cache_hit_share(float(p.kv_capacity_tokens), n * shape.context_tokens / n_prefill)
     # Misses enter only once the queues have settled without them: the first iterations overshoot the turn
     # rate (no queue yet), and a miss rate taken from that overshoot would lock the solution on the congested
     # branch even where the uncongested one exists — the one a cluster that starts empty is on.
@@ -208,8 +229,9 @@ def _disaggregated(
     for i in range(2 * _ITERATIONS):
         if not settled:
             miss = 0.0
-        job_tokens = (1.0 - miss) * hit_uncached + miss * ctx_in
-        s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
+        whole = 1.0 - (1.0 - miss) * kept  # sent away from its cache, or evicted from it
+        job_tokens = (1.0 - whole) * hit_uncached + whole * ctx_in
+        s_prefill = (1.0 - whole) * hit_uncached / rate_hit + whole * ctx_in / rate_miss
         r_p = s_prefill * (1.0 + q_p * shrink)
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
@@ -244,31 +266,47 @@ def _colocated(
 ) -> TurnTime:
     p = cap.profile
     ranks = p.dp_ranks
-    uncached = max(1.0, shape.new_tokens)
+    hit_uncached = max(1.0, shape.new_tokens)
     # The same congested branch as a split's (_disaggregated): a queue past the affinity threshold sends turns
     # away from their cache, and the share of whole-context recomputes is the one the queue holds now.
-    ctx_in = max(uncached, shape.context_tokens)
+    ctx_in = max(hit_uncached, shape.context_tokens)
     miss = _congested_miss_share(
-        queued_prefills, queued_tokens, n_mixed, uncached, ctx_in, affinity_s * p.prefill_tokens_per_s
+        queued_prefills, queued_tokens, n_mixed, hit_uncached, ctx_in, affinity_s * p.prefill_tokens_per_s
     )
-    if miss is not None:
-        uncached = (1.0 - miss) * uncached + miss * ctx_in
-    cached = max(0.0, shape.context_tokens - uncached)
-    steps = max(1.0, uncached / p.mixed_chunk_tokens)
-    # Each chunk makes its step dp_ranks × its compute longer (perf_model.mixed_step_time_s): over the prompt's
-    # chunks that adds up to dp_ranks × the prompt's compute, corrected online.
-    stall = ranks * pm.prefill_compute_s(p, round(uncached), round(cached)) / cap.prefill_correction
+    away = 0.0 if miss is None else miss
+    # A mixed engine caches each turn's prompt + answer, in the KV its running decodes leave free
+    # (`cache_hit_share`): the working set is every live trajectory homed here, the capacity shrinks as the
+    # decode batch grows — so colocation at high concurrency loses its caches first.
+    working_set = n / n_mixed * (shape.context_tokens + shape.output_tokens)
     ctx = _decode_context(shape)
     limit = cap.decode_batch_limit(ctx)
     step = _DecodeStep(cap, ctx)
     out = max(1.0, shape.output_tokens)
     shrink = max(0.0, (n - 1.0) / n)
+    stalls: dict[int, tuple[float, float]] = {}
+
+    def prompt_cost(whole: float) -> tuple[float, float]:
+        """(stall, steps) of a prompt when a share `whole` of turns recomputes its whole context. Each chunk
+        makes its step dp_ranks × its compute longer (perf_model.mixed_step_time_s): over the prompt's chunks that
+        adds up to dp_ranks × the prompt's compute, corrected online."""
+        key = round(whole * 1000)  # the fixed point revisits the same shares: per-mille steps are kept
+        hit = stalls.get(key)
+        if hit is None:
+            w = key / 1000
+            uncached = (1.0 - w) * hit_uncached + w * ctx_in
+            cached = max(0.0, shape.context_tokens - uncached)
+            stall = ranks * pm.prefill_compute_s(p, round(uncached), round(cached)) / cap.prefill_correction
+            hit = stalls[key] = (stall, max(1.0, uncached / p.mixed_chunk_tokens))
+        return hit
+
     q_p = q_d = 0.0
     r = r_p = r_d = 0.0
     x = last = 0.0
     for _ in range(_ITERATIONS):
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
+        kept = cache_hit_share(p.kv_capacity_tokens - running * ctx, working_set)
+        stall, steps = prompt_cost(1.0 - (1.0 - away) * kept)
         t_decode = step(running)
         s_prompt = stall + steps * t_decode  # time the prompt holds its rank
         t_mixed = t_decode + stall / steps  # one step that carries a chunk

@@ -33,6 +33,7 @@ from proto import DecodeHandoff, GenerateRequest
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
+    EngineDead,
     GenChunk,
     KvUnavailable,
     PrefillInfo,
@@ -188,6 +189,14 @@ class SimBackend:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._engine_loop(), name=f"sim-engine-{self.engine_id}")
+
+    async def check_alive(self) -> None:
+        """The engine loop is this engine: once it has ended (crashed, or stopped under a running agent), nothing
+        moves any more. Raises EngineDead then."""
+        task = self._task
+        if task is not None and task.done():
+            error = None if task.cancelled() else task.exception()
+            raise EngineDead(f"simulated engine {self.engine_id}: engine loop ended ({error!r})")
 
     async def close(self) -> None:
         if self._task is not None:

@@ -11,6 +11,16 @@ same logits; the backend drops it from the decode stream. Should it still differ
 continuation would follow a token the client never saw, so the backend abandons the pulled KV and prefills
 context + first token locally instead: slower, never wrong.
 
+Data parallelism. An engine with `data_parallel_size` > 1 is one `AsyncLLM` over several ranks: every turn of a
+trajectory goes to the rank its id hashes to (`VllmEngine.dp_rank_for`), which holds its prefix; load, KV and
+batch count every rank.
+
+Capacity. `stats()` reports vLLM's own KV use (`kv_measured`: every rank, blocks pinned for handoffs no decode
+engine has claimed yet included, as vLLM keeps them allocated) and its preemptions, which decode admission reads
+(`measured_capacity.py`). vLLM does not report how many freed blocks it keeps for reuse, so
+`prefix_cache_tokens` is counted here: the contexts of the trajectories this engine served last (the newest
+first, each trajectory once), as many tokens as its KV cache holds — the LRU order in which vLLM evicts them.
+
 Roles. Every engine runs the NIXL connector as `kv_both`, so prefill, decode and mixed work need no restart:
 `set_role` only restarts the engine when `role_overrides` gives the new role different engine settings (for
 example a larger batch for decode), and that restart costs a full engine start (tens of seconds on CPU).
@@ -22,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -84,10 +95,15 @@ class VllmBackend:
         """`clock`: the scaled clock handoffs are stamped on (None: $PRORSA_TIME_SCALE's, read now)."""
         self.clock = clock if clock is not None else Clock.from_env()
         self.engine = VllmEngine(config)
-        self.max_model_len = config.max_model_len
         self.role = role
         self.role_overrides = dict(role_overrides or {})
         self.weight_version = 0
+        self._contexts: OrderedDict[str, int] = OrderedDict()  # traj_id -> context tokens, newest last
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's resolved model length once started (an engine argument may have set it)."""
+        return self.engine.max_model_len
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -96,6 +112,21 @@ class VllmBackend:
 
     async def close(self) -> None:
         await self.engine.stop()
+
+    async def check_alive(self) -> None:
+        await self.engine.check_alive()
+
+    def _served(self, request: GenerateRequest, tokens: int) -> None:
+        """This engine now holds `tokens` of the trajectory's context (see "Capacity" in the module doc)."""
+        key = request.traj_id or request.request_id
+        self._contexts.pop(key, None)
+        self._contexts[key] = tokens
+        capacity = self.engine.kv_capacity_tokens
+        while len(self._contexts) > 1 and sum(self._contexts.values()) > capacity > 0:
+            self._contexts.popitem(last=False)
+
+    def prefix_cache_tokens(self) -> int:
+        return min(sum(self._contexts.values()), self.engine.kv_capacity_tokens)
 
     # -- work ----------------------------------------------------------------------------------------------------
 
@@ -125,11 +156,20 @@ class VllmBackend:
             yield GenChunk([], None, finished=True, finish_reason="length", prefill=PrefillInfo(0, 0, 0.0))
             return
         stream = self.engine.generate(
-            request.request_id, context, remaining, seed=request.sampling.seed, **self._sampling(request)
+            request.request_id,
+            context,
+            remaining,
+            seed=request.sampling.seed,
+            dp_key=request.traj_id,
+            **self._sampling(request),
         )
         first = True
+        produced = 0
         async with contextlib.aclosing(stream):
             async for chunk in stream:
+                produced += len(chunk.token_ids)
+                if chunk.finished:
+                    self._served(request, len(context) + produced)
                 prefill = None
                 if first:
                     cached = chunk.num_cached_tokens
@@ -152,8 +192,13 @@ class VllmBackend:
             # The first token is the last: no decode follows, so keep no KV for one.
             return await self._prefill_only(request, context)
         h = await self.engine.prefill_for_remote_decode(
-            request.request_id, context, seed=_seed(request), **self._sampling(request)
+            request.request_id,
+            context,
+            seed=_seed(request),
+            dp_key=request.traj_id,
+            **self._sampling(request),
         )
+        self._served(request, len(context))
         finished = h.finish_reason != "length"  # a stop token: the turn ends here
         return PrefillResult(
             first_token_id=h.first_token_id,
@@ -213,8 +258,10 @@ class VllmBackend:
             handoff.kv_transfer_params or {},
             remaining,
             seed=_seed(request),
+            dp_key=request.traj_id,
             **self._sampling(request),
         )
+        produced = 0
         async with contextlib.aclosing(stream):
             first = await anext(stream)  # raises KvUnavailable when the pull fails
             if first.token_ids and first.token_ids[0] != handoff.first_token_id:
@@ -230,6 +277,9 @@ class VllmBackend:
                 return
             yield self._without_first_token(first)
             async for chunk in stream:
+                produced += len(chunk.token_ids)
+                if chunk.finished:
+                    self._served(request, len(context) + 1 + produced)
                 yield GenChunk(chunk.token_ids, chunk.logprobs, chunk.finished, _finish_reason(chunk))
 
     def _is_own_handoff(self, handoff: DecodeHandoff) -> bool:
@@ -276,6 +326,20 @@ class VllmBackend:
             kv_used_tokens=round(s.kv_usage * s.kv_capacity_tokens),
             kv_capacity_tokens=s.kv_capacity_tokens,
             max_batch=s.max_batch,
+            prefix_cache_tokens=self.prefix_cache_tokens(),
+            kv_measured=True,
+            preemptions=s.preemptions,
+            restart_roles=self.restart_roles(),
+        )
+
+    def restart_roles(self) -> tuple[str, ...]:
+        """Roles whose engine settings (`role_overrides`) differ from the running engine's: switching to them
+        restarts it."""
+        current = self.engine.config
+        return tuple(
+            role
+            for role, overrides in sorted(self.role_overrides.items())
+            if overrides and dataclasses.replace(current, **overrides) != current
         )
 
     def expected_output_tokens(self, request: GenerateRequest) -> int:
@@ -292,5 +356,5 @@ class VllmBackend:
             new_config = dataclasses.replace(self.engine.config, **overrides)
             if new_config != self.engine.config:
                 await self.engine.restart(new_config)
-                self.max_model_len = new_config.max_model_len
+                self._contexts.clear()  # a restarted engine's prefix cache is empty
         self.role = role

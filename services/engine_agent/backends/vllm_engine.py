@@ -33,12 +33,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from services.engine_agent.backend import BackendError, KvUnavailable, RequestAborted
+from services.engine_agent.backend import BackendError, EngineDead, KvUnavailable, RequestAborted
 from services.engine_agent.backends.vllm_chunks import EngineChunk, StreamState
+from services.engine_agent.backends.vllm_launch import (
+    CPU_MAX_MODEL_LEN,
+    VllmEngineConfig,  # the engine's configuration, imported from here by its users
+    _engine_args,
+    _engine_env,
+    _environment,
+)
 from services.engine_agent.backends.vllm_stats import (
     EngineStatsBox,
     VllmEngineStats,
@@ -51,6 +58,35 @@ log = logging.getLogger(__name__)
 # lock is held for the whole build, so engines of one process start one after the other.
 _ENV_LOCK = threading.Lock()
 _WARMUP_PROMPT_TOKENS = 300
+# The key in a handoff's kv_transfer_params that carries the prefill engine's `VllmEngine.compat`.
+COMPAT_KEY = "prorsa_compat"
+
+
+async def _in_daemon_thread(fn: Any) -> Any:
+    """`fn()` in a daemon thread: unlike `asyncio.to_thread`, a build abandoned at a time-out does not hold the
+    interpreter's exit (the default executor's threads are joined at shutdown)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="vllm-build", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return  # timed out: the caller has gone
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 @functools.cache
@@ -70,31 +106,6 @@ def _vllm_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # no vLLM, or one older than these classes
         pass
     return tuple(found)
-
-
-@dataclass(frozen=True, slots=True)
-class VllmEngineConfig:
-    """How to build one engine. `replace()` it and `restart()` to change anything (vLLM has no live reconfig)."""
-
-    model_path: str
-    engine_id: str  # NIXL engine id: unique among engines that exchange KV
-    nixl_port: int = 5600  # this engine's NIXL side channel (decode engines handshake here); unique per host
-    nixl_host: str = (
-        "127.0.0.1"  # address decode engines reach the side channel on (goes into kv_transfer_params)
-    )
-    kv_transfer: bool = True  # attach the NIXL connector (kv_both); False: a plain colocated engine
-    kv_lease_s: int = 120  # how long a prefill engine keeps handed-off KV for a decode engine to claim
-    kv_cache_bytes: int = 512 << 20  # KV cache size (CPU: host memory; GPU: device memory)
-    max_model_len: int = 4096
-    max_num_seqs: int = 64  # most sequences in one batch
-    max_num_batched_tokens: int | None = None  # tokens per step (chunked prefill); None = vLLM's default
-    dtype: str = "auto"  # "auto" follows the checkpoint (vLLM downcasts float32 to bfloat16 on CPU)
-    seed: int = 0
-    # CPU builds only: OpenMP threads of the engine process, unbound. vLLM's default binds one thread per core;
-    # on a small shared machine a bound thread on a busy core stalls every parallel region (measured 5 tok/s
-    # vs 60 tok/s single-sequence decode on 2 cores). None keeps vLLM's automatic binding.
-    cpu_threads: int | None = 1
-    extra_engine_args: Mapping[str, Any] = field(default_factory=dict)  # passed to AsyncEngineArgs verbatim
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,81 +129,21 @@ def request_seed(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
 
 
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (or, for None, unset) environment variables for the duration of the block; restore them after."""
-    saved = {key: os.environ.get(key) for key in values}
-    try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _engine_env(config: VllmEngineConfig, is_cpu: bool) -> dict[str, str | None]:
-    env: dict[str, str | None] = {
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(config.nixl_port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": config.nixl_host,
-        # Run the model inside the engine-core process (UniProcExecutor): on CPU builds vLLM otherwise adds a
-        # worker process behind a shared-memory queue, which starts slower and competes for the cores (a 16-token
-        # generation took 46 s that way vs 10 s in-process on the loaded 2-core machine, first request included).
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        # The legacy variable would override `kv_cache_bytes` on CPU builds.
-        "VLLM_CPU_KVCACHE_SPACE": None,
-    }
-    if is_cpu and config.cpu_threads is not None:
-        env["OMP_NUM_THREADS"] = str(config.cpu_threads)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    return env
-
-
-def _engine_args(config: VllmEngineConfig) -> Any:
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    kv_transfer = None
-    if config.kv_transfer:
-        kv_transfer = KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_both",
-            engine_id=config.engine_id,
-            kv_load_failure_policy="fail",
-            kv_connector_extra_config={"kv_lease_duration": config.kv_lease_s},
-        )
-    return AsyncEngineArgs(
-        model=config.model_path,
-        skip_tokenizer_init=True,  # token ids in and out; the trainer owns the tokenizer
-        enforce_eager=True,  # no torch.compile / graph capture: seconds, not minutes, to (re)start
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=config.kv_cache_bytes,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        dtype=config.dtype,
-        seed=config.seed,
-        # Stats reach our own logger only (no periodic log lines); see vllm_stats.
-        disable_log_stats=True,
-        kv_transfer_config=kv_transfer,
-        **dict(config.extra_engine_args),
-    )
-
-
 class VllmEngine:
     """One `AsyncLLM` engine: start/stop/restart, token-level generation, prefill/decode across engines."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
         self.start_s: float | None = None  # how long the last start took
-        self.kv_capacity_tokens = 0  # known once started
-        self.max_num_batched_tokens = 0  # prefill tokens per engine step at most (vLLM's resolved value)
+        # vLLM's resolved values, known once started (the user's engine arguments may have set any of them):
+        self.kv_capacity_tokens = 0  # over every data-parallel rank (vLLM sums their blocks)
+        self.max_num_batched_tokens = 0  # prefill tokens per engine step at most
+        self.max_model_len = config.max_model_len or CPU_MAX_MODEL_LEN
+        self.max_num_seqs = config.max_num_seqs  # per data-parallel rank
+        self.dp_size = 1  # data-parallel ranks behind this AsyncLLM
+        # What two engines must share for one to read the other's KV (checked on every handoff, before NIXL's
+        # own handshake would fail it): vLLM version, model, dtype, block size, tensor parallelism.
+        self.compat = ""
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
 
@@ -202,18 +153,22 @@ class VllmEngine:
     def running(self) -> bool:
         return self._llm is not None
 
-    async def start(self) -> float:
-        """Build the engine (in a worker thread); return the seconds it took. Raises BackendError on failure."""
+    async def start(self, timeout_s: float | None = None) -> float:
+        """Build the engine (in a worker thread); return the seconds it took. Raises BackendError on failure, or
+        when the build has not finished within `timeout_s` (wall; None: no limit; the build then runs on in its
+        daemon thread, so the caller should leave the process: nothing can cancel vLLM's start-up)."""
         if self._llm is not None:
             return 0.0
         t0 = time.perf_counter()
         try:
-            self._llm = await asyncio.to_thread(self._build)
+            self._llm = await asyncio.wait_for(_in_daemon_thread(self._build), timeout_s)
+        except TimeoutError:
+            raise BackendError(
+                f"vLLM engine {self.config.engine_id} did not start within {timeout_s:.0f} s"
+            ) from None
         except _vllm_errors() as exc:
             raise BackendError(f"vLLM engine {self.config.engine_id} failed to start: {exc}") from exc
-        cache = self._llm.vllm_config.cache_config
-        self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
-        self.max_num_batched_tokens = int(self._llm.vllm_config.scheduler_config.max_num_batched_tokens)
+        self._resolve(self._llm.vllm_config)
         build_s = time.perf_counter() - t0
         try:
             await self._warm_up()
@@ -222,9 +177,62 @@ class VllmEngine:
             raise
         self.start_s = time.perf_counter() - t0
         log.info(
-            "vLLM engine %s started in %.1f s (build %.1f s)", self.config.engine_id, self.start_s, build_s
+            "vLLM engine %s started in %.1f s (build %.1f s); KV side channel %s:%d (+ rank); compatibility %s",
+            self.config.engine_id,
+            self.start_s,
+            build_s,
+            self.config.nixl_host,
+            self.config.nixl_port,
+            self.compat,
         )
         return self.start_s
+
+    def _resolve(self, vc: Any) -> None:
+        """Read what vLLM resolved from our defaults and the user's engine arguments."""
+        cache, parallel = vc.cache_config, vc.parallel_config
+        self.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+        self.max_num_batched_tokens = int(vc.scheduler_config.max_num_batched_tokens)
+        self.max_model_len = int(vc.model_config.max_model_len)
+        self.max_num_seqs = int(vc.scheduler_config.max_num_seqs)
+        self.dp_size = int(parallel.data_parallel_size)
+        import vllm
+
+        parts = (
+            vllm.__version__,
+            os.path.basename(os.path.normpath(self.config.model_path)),
+            str(vc.model_config.dtype),
+            str(cache.block_size),
+            str(parallel.tensor_parallel_size),
+        )
+        self.compat = hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences the engine batches at once over every data-parallel rank."""
+        return self.max_num_seqs * self.dp_size
+
+    def dp_rank_for(self, key: str) -> int | None:
+        """The data-parallel rank a trajectory's turns go to (None: one rank). Stable per key, so every turn of a
+        trajectory lands on the rank whose prefix cache holds its history (vLLM would otherwise pick its least
+        loaded rank for each turn anew)."""
+        if self.dp_size <= 1 or not key:
+            return None
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.dp_size
+
+    async def check_alive(self) -> None:
+        """Raises EngineDead once the engine core has died (vLLM's `check_health`); returns otherwise, and
+        before start."""
+        llm = self._llm
+        if llm is None:
+            return
+        try:
+            await llm.check_health()
+        except _vllm_errors() as exc:
+            raise EngineDead(f"vLLM engine {self.config.engine_id} is dead: {exc!r}") from exc
+
+    def _dead(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
 
     async def _warm_up(self) -> None:
         # The first request down each sampling path (greedy, seeded, unseeded; with logprobs) pays a one-off
@@ -242,8 +250,9 @@ class VllmEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = _engine_args(self.config)
-        with _ENV_LOCK, _environment(_engine_env(self.config, current_platform.is_cpu())):
+        is_cpu = current_platform.is_cpu()
+        args = _engine_args(self.config, is_cpu)
+        with _ENV_LOCK, _environment(_engine_env(self.config, is_cpu)):
             return AsyncLLM.from_engine_args(args, stat_loggers=[make_stat_logger_factory(self._stats)])
 
     async def stop(self) -> None:
@@ -289,12 +298,14 @@ class VllmEngine:
         logprobs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        dp_key: str = "",
     ) -> AsyncIterator[EngineChunk]:
-        """Prefill locally and decode up to `max_tokens` tokens, streaming chunks (the last has finished=True)."""
+        """Prefill locally and decode up to `max_tokens` tokens, streaming chunks (the last has finished=True).
+        `dp_key` (the trajectory): which data-parallel rank serves it (`dp_rank_for`)."""
         params = self._sampling(
             max_tokens, temperature, top_p, top_k, seed, logprobs, stop_token_ids, ignore_eos, None
         )
-        return self._stream(request_id, prompt_token_ids, params)
+        return self._stream(request_id, prompt_token_ids, params, dp_key)
 
     async def prefill_for_remote_decode(
         self,
@@ -308,6 +319,7 @@ class VllmEngine:
         logprobs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        dp_key: str = "",
     ) -> PrefillHandoff:
         """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull.
 
@@ -325,7 +337,7 @@ class VllmEngine:
             {"do_remote_decode": True},
         )
         last: EngineChunk | None = None
-        async for chunk in self._stream(request_id, prompt_token_ids, params):
+        async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
             last = chunk
         if last is None or last.finish_reason == "abort":
             raise RequestAborted(f"prefill {request_id} aborted")
@@ -334,7 +346,7 @@ class VllmEngine:
         return PrefillHandoff(
             first_token_id=last.token_ids[0],
             first_logprob=last.logprobs[0] if last.logprobs else None,
-            kv_transfer_params=last.kv_transfer_params,
+            kv_transfer_params={**last.kv_transfer_params, COMPAT_KEY: self.compat},
             seed=seed,
             num_prompt_tokens=last.num_prompt_tokens,
             num_cached_tokens=last.num_cached_tokens,
@@ -356,11 +368,20 @@ class VllmEngine:
         logprobs: bool = True,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        dp_key: str = "",
     ) -> AsyncIterator[EngineChunk]:
         """Pull the prompt's KV from the prefill engine and decode; output starts with the first token again.
 
         Pass the `seed` of the PrefillHandoff (default: derived from request_id as the prefill side does), the
-        same prompt and sampling. Raises KvUnavailable (before any chunk) when the KV cannot be pulled."""
+        same prompt and sampling. Raises KvUnavailable (before any chunk) when the KV cannot be pulled, or comes
+        from an engine this one cannot read KV from (another vLLM, model, dtype, block size or TP: `compat`)."""
+        theirs = kv_transfer_params.get(COMPAT_KEY)
+        if theirs is not None and theirs != self.compat:
+            raise KvUnavailable(
+                f"decode {request_id}: KV from {kv_transfer_params.get('remote_engine_id')} is incompatible "
+                f"(engine compatibility {theirs} != {self.compat}: another vLLM, model, dtype, block size or TP)"
+            )
+        kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != COMPAT_KEY}
         seed = request_seed(request_id) if seed is None else seed
         params = self._sampling(
             max_tokens,
@@ -374,7 +395,7 @@ class VllmEngine:
             dict(kv_transfer_params),
         )
         first = True
-        async for chunk in self._stream(request_id, prompt_token_ids, params):
+        async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
             if first and chunk.finish_reason == "error" and not chunk.token_ids:
                 raise KvUnavailable(
                     f"decode {request_id}: KV pull from {kv_transfer_params.get('remote_engine_id')} failed"
@@ -383,8 +404,9 @@ class VllmEngine:
             yield chunk
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored."""
-        if self._llm is not None:
+        """Stop a request wherever it is; its stream ends with finish_reason "abort". Unknown ids are ignored, and
+        so is everything once the engine is dead (its requests went with it)."""
+        if self._llm is not None and not self._dead():
             try:
                 await self._llm.abort(request_id)
             except _vllm_errors() as exc:
@@ -420,7 +442,7 @@ class VllmEngine:
         """Load as of the engine's last step (running/waiting are zero once no request is unfinished)."""
         unfinished = self._llm.get_num_unfinished_requests() if self._llm is not None else 0
         return self._stats.snapshot(
-            unfinished, self.kv_capacity_tokens, self.config.max_num_seqs, self.start_s
+            unfinished, self.kv_capacity_tokens, self.max_batch, self.start_s, self.dp_size
         )
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -455,14 +477,19 @@ class VllmEngine:
         )
 
     async def _stream(
-        self, request_id: str, prompt_token_ids: list[int], params: Any
+        self, request_id: str, prompt_token_ids: list[int], params: Any, dp_key: str = ""
     ) -> AsyncIterator[EngineChunk]:
         from vllm import TokensPrompt
 
         llm = self._engine()
         t0 = time.perf_counter()
         state = StreamState(request_id, len(prompt_token_ids))
-        outputs = llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
+        outputs = llm.generate(
+            TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+            params,
+            request_id,
+            data_parallel_rank=self.dp_rank_for(dp_key),
+        )
         try:
             # aclosing: a consumer that stops early closes vLLM's generator, which aborts the request.
             async with contextlib.aclosing(outputs):
@@ -476,6 +503,10 @@ class VllmEngine:
         except _vllm_errors() as exc:
             if isinstance(exc, BackendError):
                 raise
+            if self._dead():
+                raise EngineDead(
+                    f"request {request_id}: engine {self.config.engine_id} is dead: {exc!r}"
+                ) from exc
             raise BackendError(
                 f"request {request_id} failed in engine {self.config.engine_id}: {exc!r}"
             ) from exc
