@@ -13,6 +13,7 @@ from collections.abc import Sequence
 # (command, module, one-line help)
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("up", "prorsa.commands.up", "start embedded NATS + every service + engines; Ctrl-C stops"),
+    ("gateway", "prorsa.commands.gateway", "the HTTP front door: OpenAI chat/completions and /generate"),
     ("status", "prorsa.commands.status", "list live services and engines from their health replies"),
     ("secrets", "prorsa.commands.secrets", "write bus credentials and permissions for a cluster (compose)"),
     ("top", "prorsa.commands.top", "a live view of a running cluster: engines, demand, plan, trajectories"),

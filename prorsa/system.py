@@ -62,6 +62,10 @@ class SystemConfig:
         None  # keep them here (reused if it holds some) instead of a temporary directory
     )
     tls: TlsFiles | None = None  # embedded server: serve TLS with this certificate
+    # The HTTP gateway (`python -m prorsa.gateway`, as the trainer on the bus) on this loopback port (None: none),
+    # with these extra arguments; see `gateway_url` and `prorsa.gateway.launch`.
+    gateway_port: int | None = None
+    gateway_args: list[str] = field(default_factory=list)
 
 
 NATS_KEY = "nats-server"  # the embedded server's key in supervision events
@@ -88,6 +92,14 @@ class System:
         self._dead: set[str] = set()  # exits already reported to the supervisor, restart pending
         self.held: set[str] = set()  # children not restarted for now (the fault campaign's "no replacement")
         self._stopping = False
+        self.api_key = ""  # the gateway's API key (with credentials only): in trainer.env as PRORSA_API_KEY
+        self._child_env: dict[str, dict[str, str]] = {}  # key -> extra environment of that child
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's OpenAI base URL ("" without a gateway)."""
+        port = self.config.gateway_port
+        return f"http://127.0.0.1:{port}/v1" if port is not None else ""
 
     def engine_ids(self) -> list[str]:
         return [f"engine-{i}" for i in range(self.config.engines)]
@@ -125,7 +137,21 @@ class System:
                 devices = self.config.engine_devices[i] if i < len(self.config.engine_devices) else ""
                 env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
                 self._spawn(f"engine-{i}", "engine_agent", args, user, env)
+        if self.config.gateway_port is not None:
+            self._start_gateway()
         return self
+
+    def _start_gateway(self) -> None:
+        from prorsa.gateway.launch import api_key, write_trainer_env
+
+        env: dict[str, str] = {}
+        if self.secrets is not None:
+            self.api_key = api_key(self.secrets.path)
+            write_trainer_env(self.secrets.path, self.api_key, self.gateway_url)
+            env["PRORSA_API_KEY"] = self.api_key
+        self._child_env["gateway"] = env
+        args = ["--port", str(self.config.gateway_port), *self.config.gateway_args]
+        self._spawn("gateway", "prorsa.gateway", args, "trainer")
 
     def _make_secrets(self) -> BusSecrets:
         tls = self.config.tls
@@ -159,7 +185,7 @@ class System:
         cmd = [
             sys.executable,
             "-m",
-            f"services.{module}",
+            module if "." in module else f"services.{module}",
             "--nats",
             self.url,
             "--namespace",
@@ -171,6 +197,7 @@ class System:
             for var in CREDENTIAL_ENV.values():
                 env.pop(var, None)
             env.update(self.secrets.credentials(user).to_env())
+        env.update(self._child_env.get(key, {}))
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{key}.log"), "ab")  # noqa: SIM115 - owned by Popen

@@ -31,6 +31,7 @@ ROUTES: dict[str, str] = {
     "RequestFinished": "ns.events.<engine_id>",
     "RequestFailed": "ns.events.<engine_id>",
     "TokenChunk": "the request's reply_to subject (core NATS), chosen by the client",
+    "AbortRequest": "ns.abort (core NATS), published by the client; every engine reads it",
     "ErrorReply": "the reply subject of a bad message, else ns.errors",
     "EngineStats": "ns.stats.<engine_id>, every second (core NATS)",
     "RoleSwitchCommand": "ns.cmd.<engine_id>, request/reply (the reply is a RoleSwitchAck)",
@@ -57,6 +58,15 @@ def render() -> str:
         "fields are ignored, so new fields (always with defaults, always last) do not break older readers. Times "
         "`ts_s` are Unix seconds; `*_s` fields are durations; `*_tokens` are non-negative token counts.",
         "",
+        "## Which interface suits whom",
+        "",
+        "- **HTTP (the gateway, `prorsa gateway`; `prorsa up` starts one and prints `openai: URL`)** for agents and "
+        "any language: OpenAI `/v1/chat/completions` and `/v1/completions` (a session = a trajectory, named by the "
+        "`X-Prorsa-Trajectory` header or `trajectory_id` in the body), SGLang's `/generate`, "
+        "`/v1/trajectories/<id>/finish` and `/abort`. Token ids and logprobs come back on every response; the "
+        "gateway reports the lifecycle (tool calls included) for the client. Nothing of this page is needed.",
+        "- **The Python SDK (`prorsa.client`)** for trainers in Python that want the bus without HTTP.",
+        "- **The bus (this page)** for trainers in other languages that want to drive turns themselves.",
         "Schema 2 (from 1): a `generate_request`'s `prompt_token_ids` are the ids after its first `prefix_len` "
         "tokens, which come from an earlier turn's prompt (`prefix_turn`), resolved through the context log (below); "
         "a client that sets neither sends the whole context as before. A version-1 reader would take a lean request "
@@ -79,7 +89,7 @@ def render() -> str:
         "",
         "Credentials: a server set up by `prorsa up` or `prorsa secrets` admits only its users. A trainer connects "
         "with the `trainer` nkey seed (`trainer.nk`) and the inbox prefix `_INBOX.trainer` (the only inboxes it may "
-        "read), sets `reply_to` under `ns.reply.`, and may publish lifecycle events, prefill work, health requests "
+        "read), sets `reply_to` under `ns.reply.`, and may publish lifecycle events, prefill work, aborts, health requests "
         "and policy version updates, nothing else. Epochs and policy versions are at most 2^53 - 1; an engine "
         "refuses a version that jumps more than a million past its own, and weights from outside its weights root.",
         "",
@@ -136,6 +146,9 @@ def render() -> str:
         "continues the numbering on its new engine. The final chunk carries `finish_reason`, `prompt_tokens`, "
         "`cached_tokens`, `prefill_engine` and `error` (non-empty: the engine refused the turn, e.g. a prompt "
         "longer than the model; do not retry).",
+        "- **Abort.** Publish `abort_request` on `ns.abort` to stop a turn: the engine holding it (or the one that "
+        'pulls it later) stops, frees its KV and sends the final chunk with `finish_reason: "abort"` after '
+        "the tokens already streamed; the turn is never redelivered.",
         "- **Retries.** A turn with no chunk for a long while (the Python SDK waits 120 s) is republished with "
         "`attempt` + 1, hence a new `Nats-Msg-Id`; the first stream to complete is the result.",
         "",

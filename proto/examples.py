@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from proto.messages import (
+    AbortRequest,
     AllocationPlan,
     DecodeHandoff,
     DemandForecast,
@@ -151,6 +152,9 @@ EXAMPLES: dict[type[Message], Message] = {
     ),
     TokenChunk: TokenChunk(
         request_id="traj-7:3", index=0, token_ids=[1234, 99], logprobs=[-0.7, -1.2], engine_id="engine-5"
+    ),
+    AbortRequest: AbortRequest(
+        request_id="traj-7:3", traj_id="traj-7", ts_s=T0 + 2.5, reason="client went away"
     ),
     ErrorReply: ErrorReply(
         kind="decode",

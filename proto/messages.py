@@ -254,6 +254,17 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     stream_base: NonNegInt = 0
 
 
+class AbortRequest(Message, frozen=True, kw_only=True):
+    """Stop a turn (core NATS on `Subjects.abort`, to every engine): the engine holding `request_id` stops it,
+    frees its KV, streams the partial output's final chunk with `finish_reason="abort"` and acks its work, so it
+    is never redelivered; an engine that pulls it later answers the same way without running it."""
+
+    request_id: Id
+    traj_id: Id
+    ts_s: float = 0.0
+    reason: str = ""
+
+
 class ErrorReply(Message, frozen=True, kw_only=True):
     """Answer to bad input where a reply subject exists; also published on `Subjects.errors`."""
 
@@ -441,6 +452,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     *WORK_MESSAGES,
     *ENGINE_EVENT_MESSAGES,
     TokenChunk,
+    AbortRequest,
     ErrorReply,
     EngineStats,
     RoleSwitchCommand,

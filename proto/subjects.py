@@ -18,6 +18,7 @@ Subjects (ns = namespace):
   ns.policy.version                PolicyVersionUpdate
   ns.health                        HealthRequest → one HealthReply per live service instance
   ns.errors                        ErrorReply for bad input that had no reply subject
+  ns.abort                         AbortRequest: stop a turn on whichever engine holds it (core NATS)
   ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.;
                                    kept for minutes: stream REPLIES)
   ns.ctx.<traj_id>.<turn>          the context log: each turn's prompt segment, written by the client before
@@ -147,6 +148,10 @@ class Subjects:
     @property
     def health(self) -> str:
         return f"{self.namespace}.health"
+
+    @property
+    def abort(self) -> str:
+        return f"{self.namespace}.abort"
 
     @property
     def errors(self) -> str:

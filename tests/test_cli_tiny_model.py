@@ -27,6 +27,10 @@ def test_tiny_model_writes_the_test_checkpoint(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "tiny"
     assert main(["tiny-model", str(out), "--seed", "3"]) == 0
     assert f"written to {out}" in capsys.readouterr().out
+    # ... with a chat tokenizer the gateway serves it with (ChatML: eos = the model's eos id 2)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["chat_template"] and tokenizer_config["eos_token"] == "<|im_end|>"
+    assert (out / "tokenizer.json").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert {k: config[k] for k in TINY_QWEN2_SHAPE} == TINY_QWEN2_SHAPE

@@ -86,3 +86,18 @@ def test_affinity_only_to_fresh_prefill_capable_engines() -> None:
     assert d.affinity_target("e1", now=14.0) is None  # overloaded
     d.observe(stats("prefill", ts=0.5), now=14.0)  # older than what we have: ignored
     assert d.engines["e1"].role == "mixed"
+
+
+def test_a_group_goes_to_the_least_loaded_engine_that_takes_turns() -> None:
+    d = EngineDirectory()
+    for engine_id, role, waiting, running in (
+        ("a", "mixed", 3, 2),
+        ("b", "mixed", 1, 1),
+        ("c", "decode", 0, 0),
+    ):
+        d.observe(
+            EngineStats(engine_id=engine_id, ts_s=0.0, role=role, epoch=1, waiting=waiting, running=running),
+            10.0,
+        )
+    assert d.group_target(10.5) == "b"  # "c" is least loaded but takes no prefill
+    assert d.group_target(100.0) is None  # nobody fresh: the shared queue

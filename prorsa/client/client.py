@@ -58,6 +58,7 @@ from prorsa.client.lean_wire import ContextLogWriter, LeanPrompts, TurnWire
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
 from proto import (
+    AbortRequest,
     EngineStats,
     GenerateRequest,
     LifecycleEvent,
@@ -111,6 +112,7 @@ class _Pending:
     done: asyncio.Future[GenerateResult]
     last_progress_mono: float
     on_tokens: Callable[[list[int]], None] | None = None
+    on_chunk: Callable[[TokenChunk], None] | None = None  # each new chunk whole (ids and their logprobs)
     # When this request was last retried early (`_broken`), as the reconnect time it followed (-1: after a hole
     # without reconnect): one early retry per outage, later ones wait retry_after_s.
     early_retried_after: float | None = None
@@ -159,6 +161,7 @@ class RolloutClient:
         self.saturated_s = 0.0  # wall seconds turns spent backing off from a full queue
         self.replayed_chunks = 0  # chunks read back from the REPLIES stream after reconnects
         self.early_retries = 0  # streams retried after an outage left them incomplete
+        self.prefix_breaks = 0  # turns whose prompt did not extend their trajectory's last prompt + output
         self.lean_wire = lean_wire
         self.inline_max_tokens = inline_max_tokens
         self.context_log = ContextLogWriter(self.js, self.subjects, self.run_id, publish_wait_s)
@@ -256,6 +259,7 @@ class RolloutClient:
         request: GenerateRequest,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
         new_tokens: int = 0,
     ) -> GenerateResult:
         """Send a turn and wait for its whole output; retries a request that makes no progress. `new_tokens`: what
@@ -277,6 +281,7 @@ class RolloutClient:
             asyncio.get_running_loop().create_future(),
             time.monotonic(),
             on_tokens,
+            on_chunk,
         )
         self._pending[request.request_id] = pending
         deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -392,6 +397,8 @@ class RolloutClient:
             pending.last_progress_mono = time.monotonic()
         if pending.assembler.duplicates == before and pending.on_tokens is not None and chunk.token_ids:
             pending.on_tokens(list(chunk.token_ids))
+        if pending.assembler.duplicates == before and pending.on_chunk is not None:
+            pending.on_chunk(chunk)
         if result is not None and not pending.done.done():
             pending.done.set_result(result)
 
@@ -400,6 +407,12 @@ class RolloutClient:
             self.directory.observe(proto.decode_as(msg.data, EngineStats, msg.subject), time.monotonic())
         except ProtoError:
             self.bad_messages += 1
+
+    async def abort(self, request_id: str, traj_id: str, reason: str = "") -> None:
+        """Stop a turn on whichever engine holds it (or pulls it later): its `submit` then returns the partial
+        output with finish_reason "abort", and the turn is never redelivered."""
+        msg = AbortRequest(request_id=request_id, traj_id=traj_id, ts_s=self.clock.now_s(), reason=reason)
+        await self.nc.publish(self.subjects.abort, proto.encode(msg))
 
     @property
     def context_bytes(self) -> int:
@@ -429,6 +442,8 @@ class Trajectory:
     affinity_engine: str = ""
     results: list[GenerateResult] = field(default_factory=list)
     finished: bool = False
+    last_context: list[int] = field(default_factory=list)  # the last turn's prompt + output ids
+    prefix_broken: bool = False  # a prefix break was logged (once per trajectory)
     # Lean wire: the last prompt logged (a copy: a caller may extend its list in place) and its turn.
     _lean: LeanPrompts = field(default_factory=LeanPrompts, repr=False)
 
@@ -439,13 +454,15 @@ class Trajectory:
         *,
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
     ) -> GenerateResult:
         """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs.
 
-        `on_tokens` sees each new batch of output ids as it streams. Raises GenerateError when the engine rejects
+        `on_tokens` sees each new batch of output ids as it streams; `on_chunk` each new `TokenChunk` whole
+        (its ids with their logprobs, in arrival order). Raises GenerateError when the engine rejects
         the turn, TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
         """
-        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s)
+        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk)
 
     async def _run_turn(
         self,
@@ -454,11 +471,13 @@ class Trajectory:
         hint: WorkloadHint | None,
         on_tokens: Callable[[list[int]], None] | None,
         timeout_s: float | None,
+        on_chunk: Callable[[TokenChunk], None] | None = None,
     ) -> GenerateResult:
         """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+        self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
         ids = list(prompt_token_ids)
@@ -497,13 +516,44 @@ class Trajectory:
             new_tokens=max(0, n - self.context_tokens),
         )
         result = await self.client.submit(
-            req, on_tokens=on_tokens, timeout_s=timeout_s, new_tokens=max(0, n - self.context_tokens)
+            req,
+            on_tokens=on_tokens,
+            timeout_s=timeout_s,
+            new_tokens=max(0, n - self.context_tokens),
+            on_chunk=on_chunk,
         )
         self.results.append(result)
+        if prompt_token_ids:
+            self.last_context = [*prompt_token_ids, *result.token_ids]
         self.affinity_engine = result.prefill_engine or result.engine_id
         self.context_tokens = n + len(result.token_ids)
         self.turn += 1
         return result
+
+    def _check_prefix(self, prompt_token_ids: list[int]) -> None:
+        """Token fidelity (DESIGN.md principle 9): a turn's prompt must extend the last prompt + output; a break
+        (re-templated history, an edited observation) loses the engine's prefix cache and the exact tokens RL
+        trains on. Counted in `client.prefix_breaks`, logged once per trajectory."""
+        ctx = self.last_context
+        if not ctx or not prompt_token_ids or prompt_token_ids[: len(ctx)] == ctx:
+            return
+        self.client.prefix_breaks += 1
+        if not self.prefix_broken:
+            self.prefix_broken = True
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ctx, prompt_token_ids, strict=False)) if a != b),
+                len(prompt_token_ids),
+            )
+            log.warning(
+                "prefix_break", traj_id=self.traj_id, turn=self.turn, first_difference=at, context=len(ctx)
+            )
+
+    async def abort(self, reason: str = "") -> None:
+        """Stop the turn running now (if any): its `generate` returns what was sampled so far, with
+        finish_reason "abort"."""
+        request_id = f"{self.traj_id}:{self.turn}"
+        if request_id in self.client._pending:
+            await self.client.abort(request_id, self.traj_id, reason)
 
     async def tool_started(self, tool: str = "") -> None:
         await self.client.emit(ToolCallStarted, traj_id=self.traj_id, turn=max(0, self.turn - 1), tool=tool)

@@ -69,6 +69,14 @@ class EngineDirectory:
         rank's decode meanwhile)."""
         return role in PREFILL_CAPABLE and not switching and waiting <= max(self.max_waiting, worth_prompts)
 
+    def group_target(self, now: float) -> str | None:
+        """Where a group of turns sharing one prompt (a GRPO group) should all go, so the prompt is prefilled and
+        cached once: the least loaded engine that would take a turn addressed to it now (None: none would)."""
+        ok = [s for e, s in self.engines.items() if self.fresh(e, now) and self.accepts(s)]
+        if not ok:
+            return None
+        return min(ok, key=lambda s: (s.waiting + s.running, s.engine_id)).engine_id
+
     def affinity_target(self, engine_id: str, now: float, worth_prompts: float = 0.0) -> str | None:
         """`engine_id` if it can take the turn directly now, else None (use the shared queue); `worth_prompts` as
         in `accepts_state`."""

@@ -139,7 +139,7 @@ class StreamAssembler:
         last = ordered[-1]
         tokens = [t for c in ordered for t in c.token_ids]
         logprobs: list[float] | None = None
-        if all(c.logprobs is not None for c in ordered):
+        if all(c.logprobs is not None or not c.token_ids for c in ordered):  # a chunk of no tokens needs none
             logprobs = [lp for c in ordered for lp in (c.logprobs or [])]
         return GenerateResult(
             request_id=self.request_id,

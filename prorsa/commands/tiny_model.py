@@ -2,9 +2,11 @@
 
 A machine with no model hub has no model for the README's real-vLLM commands (`prorsa rollout --backend vllm`,
 `prorsa demo --backend vllm`, `prorsa profile`). This writes the same checkpoint the vLLM tests build
-(`services.engine_agent.tiny_model.build_tiny_qwen2`: hidden 256, 4 layers, vocab 32000, random weights, no
-tokenizer; the engines run token ids in and out), in a few seconds on a CPU. Its output is noise, but every path of
-a real engine runs. Needs torch and transformers, which come with vLLM (`make vllm`).
+(`services.engine_agent.tiny_model.build_tiny_qwen2`: hidden 256, 4 layers, vocab 32000, random weights; the
+engines run token ids in and out), in a few seconds on a CPU, and beside it a small tokenizer with a ChatML chat
+template trained here (`prorsa.gateway.tiny_tokenizer`), so the gateway of `prorsa up --model DIR` serves chat on
+it. Its output is noise, but every path of a real engine runs. Needs torch and transformers, which come with vLLM
+(`make vllm`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from prorsa.gateway.tiny_tokenizer import build_tiny_tokenizer
     from services.engine_agent.tiny_model import build_tiny_model
 
     path = build_tiny_model(
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         arch=args.arch,
         max_position_embeddings=args.max_position_embeddings,
     )
-    print(f"tiny {args.arch} (seed {args.seed}, {args.dtype}) written to {path}")
+    build_tiny_tokenizer(path, seed=args.seed)
+    print(f"tiny {args.arch} (seed {args.seed}, {args.dtype}) and its chat tokenizer written to {path}")
     print(f"use it as: prorsa rollout --backend vllm --model {path} --dtype {args.dtype} ...")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -88,6 +89,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="its private key (PEM)")
     p.add_argument(
         "--tls-ca", default=None, help="CA clients verify the certificate with (default: the cert)"
+    )
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        default=0,
+        help="HTTP gateway (OpenAI API) on this loopback port (default 0: a free port; -1: no gateway)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the gateway's tokenizer directory (default: the model's, else a tiny chat tokenizer built here)",
     )
     p.add_argument(
         "--start-timeout-s",
@@ -195,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         print("prorsa up: --backend vllm needs --model PATH (a local model directory)")
         return 2
     namespace = namespace_from_env(args.namespace)
+    gateway = _gateway_setup(args)
     system = System(
         SystemConfig(
             nats_url=nats_url_from_env(args.nats),
@@ -209,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
             auth=not args.no_auth,
             secrets_dir=args.secrets_dir,
             tls=tls_files(args),
+            gateway_port=gateway[0],
+            gateway_args=gateway[1],
         )
     )
     stop = {"now": False}
@@ -221,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     system.start()
     try:
         print(f"nats: {system.url}", flush=True)
+        if system.gateway_url:
+            print(f"openai: {system.gateway_url}", flush=True)
         if system.secrets is not None:
             path = system.secrets.path
             print(
@@ -243,6 +260,14 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         print(format_health(replies), flush=True)
+        if system.gateway_url:
+            from prorsa.gateway.launch import wait_gateway
+
+            ok = wait_gateway(system.gateway_url, timeout_s, give_up=lambda: stop["now"])
+            print(
+                f"gateway: {'ok' if ok else 'not answering (see its log)'} at {system.gateway_url}",
+                flush=True,
+            )
         healthy = sum(1 for r in replies if r.status == "ok")
         print(f"up: {healthy}/{len(expected)} services healthy; Ctrl-C stops", flush=True)
         deadline = time.monotonic() + args.for_s if args.for_s else None
@@ -257,5 +282,22 @@ def run(args: argparse.Namespace) -> int:
         # A vLLM engine agent hands on its work and shuts its engine down (vLLM waits up to 5 s for the engine
         # process) before it exits: give it longer than a simulated one before it is killed.
         system.stop(timeout_s=STOP_TIMEOUT_S[args.backend])
+        if gateway[2]:
+            shutil.rmtree(gateway[2], ignore_errors=True)
         print("up: stopped", flush=True)
     return 0
+
+
+def _gateway_setup(args: argparse.Namespace) -> tuple[int | None, list[str], str]:
+    """(gateway port or None, its arguments, a temporary tokenizer directory to remove or "")."""
+    if args.gateway_port < 0:
+        return None, [], ""
+    from prorsa.gateway.launch import default_tokenizer, free_port, model_window
+
+    tokenizer, temporary = (args.tokenizer, False) if args.tokenizer else default_tokenizer(args.model)
+    port = args.gateway_port or free_port()
+    extra = ["--tokenizer", tokenizer]
+    window = model_window(args.model) if args.model else None
+    if window:  # the gateway refuses a turn past the model's window itself, with a 400 that says so
+        extra += ["--max-model-len", str(window)]
+    return port, extra, tokenizer if temporary else ""

@@ -27,6 +27,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from proto import (
+    AbortRequest,
     EngineStats,
     Message,
     PolicyVersionUpdate,
@@ -180,6 +181,7 @@ class EngineAgent(Service):
         )
         await self.subscribe(self.subjects.policy_version, self._on_policy, PolicyVersionUpdate)
         await self.subscribe(self.subjects.all_engine_stats, self.rescue.on_stats, EngineStats)
+        await self.subscribe(self.subjects.abort, self._on_abort, AbortRequest)
         self.spawn(self.puller.run(), name="pull")
         self.spawn(self.rescue.run(), name="rescue")
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
@@ -286,6 +288,11 @@ class EngineAgent(Service):
         except BUS_ERRORS as exc:  # the stream is unavailable: the event is lost, the work goes on
             self.metrics.count_error("event_publish")
             self.log.warning("event_publish_failed", message_type=type(msg).__name__, error=repr(exc))
+
+    async def _on_abort(self, msg: Message, raw: Any) -> None:
+        assert isinstance(msg, AbortRequest)
+        self.log.info("abort_requested", request_id=msg.request_id, held=msg.request_id in self.runner.jobs)
+        await self.runner.abort_request(msg.request_id)
 
     # -- role switches -------------------------------------------------------------------------------------------
 

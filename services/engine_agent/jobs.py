@@ -45,6 +45,7 @@ class Job:
     prefill_engine: str = ""
     phase: Phase = "queued"
     stop: bool = False  # asked to stop and hand the work on (role switch, shutdown)
+    aborted: bool = False  # stopped by an AbortRequest: ends with finish_reason "abort" instead of handing on
     outcome: Outcome = ""
     reported_tokens: int = -1  # output count in the last TokenProgress
     task: Any = None  # asyncio.Task running it

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -54,6 +55,9 @@ from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_rese
 from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
+MAX_ABORTED_IDS = (
+    65536  # aborted request ids remembered (a copy still queued after that many aborts would run)
+)
 DEFAULT_S_PER_TOKEN = 0.05  # inter-token time (scaled seconds) assumed before any has been observed
 
 
@@ -109,6 +113,9 @@ class JobRunner:
         self.decode_tokens = 0
         self.duplicates = 0
         self.kv_lost = 0
+        self.aborts = 0
+        # Requests a client aborted (AbortRequest), newest last: one pulled later is answered "abort", not run.
+        self.aborted_ids: OrderedDict[str, None] = OrderedDict()
 
     # -- admission -----------------------------------------------------------------------------------------------
 
@@ -134,6 +141,8 @@ class JobRunner:
                 await self._failed(request, msg, error, request.next_chunk_index, kind=kind)
             case Start():
                 job = self._new_job(work, request, msg, seq)
+                if request.request_id in self.aborted_ids:  # aborted while it waited in the queue
+                    job.stop = job.aborted = True
                 self.jobs[request.request_id] = job
                 job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
 
@@ -197,6 +206,30 @@ class JobRunner:
         seen = [s for j in self.jobs.values() if (s := j.s_per_token()) is not None]
         return sum(seen) / len(seen) if seen else DEFAULT_S_PER_TOKEN
 
+    async def abort_request(self, request_id: str) -> None:
+        """A client's AbortRequest: stop the request's job here, if it runs here (its KV is freed by the backend's
+        abort), and remember the id so a copy pulled later is answered without running."""
+        self.aborted_ids[request_id] = None
+        while len(self.aborted_ids) > MAX_ABORTED_IDS:
+            self.aborted_ids.popitem(last=False)
+        job = self.jobs.get(request_id)
+        if job is None or job.aborted:
+            return
+        job.aborted = True
+        if not job.stop:
+            job.stop = True
+            await self.io.backend.abort(request_id)
+
+    async def _stopped(self, job: Job) -> None:
+        """A stopped job's end: an aborted one answers "abort" with what it streamed and is acked (never
+        redelivered); any other is handed on."""
+        if not job.aborted:
+            await self._hand_on(job)
+            return
+        self.aborts += 1
+        await self._send(job, [], None, final=True, reason="abort")
+        await self._finished(job, "abort")
+
     async def stop_job(self, job: Job) -> None:
         """Ask a job to stop and hand its work on (it acks the message once the new one is stored)."""
         job.stop = True
@@ -217,8 +250,8 @@ class JobRunner:
 
     async def _run(self, job: Job) -> None:
         try:
-            if job.stop:  # stopped before it started: hand it on untouched
-                await self._hand_on(job)
+            if job.stop:  # stopped before it started: hand it on untouched (or answer an abort)
+                await self._stopped(job)
             elif not await self._resolve(job):
                 pass  # its prompt cannot be rebuilt: failed for good, the client told why
             elif job.remaining_tokens == 0 and job.kind != "decode":
@@ -278,7 +311,7 @@ class JobRunner:
         except RequestAborted:
             if not job.stop:
                 raise
-            await self._hand_on(job)
+            await self._stopped(job)
             return
         self._count_prefill(res.new_tokens, res.cached_tokens)
         job.cached_tokens = res.cached_tokens
@@ -352,7 +385,7 @@ class JobRunner:
                 # Let tokens accumulate in the backend: one chunk per request per interval (wall), not per token.
                 await self.io.backend.wait_output(job.request_id, self.chunk_interval_s)
         await self.io.backend.abort(job.request_id)
-        await self._hand_on(job)
+        await self._stopped(job)
 
     # -- output --------------------------------------------------------------------------------------------------
 

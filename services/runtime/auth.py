@@ -6,8 +6,9 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
   role         publishes (ns = namespace)                               subscribes
   trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
                ns.policy.version, ns.health (requests), ns.errors,      ns.ack.*, ns.forecast, ns.allocator.plan,
-               ns.ctx.> (context log; purges it)                        ns.errors
-  engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health
+               ns.abort, ns.ctx.> (context log; purges it)              ns.errors
+  engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health,
+                                                                        ns.abort
                ns.work.{prefill,decode}.any (handoffs, hand-on),
                ns.reply.> (token streams), ns.errors;
                reads the context log (direct get)
@@ -138,7 +139,7 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
             ),
         ],
         # stats.*: peers watch each other's stats, to move a dead engine's addressed work (engine_agent/rescue.py)
-        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version, s.all_engine_stats],
+        subscribe=[f"{ns}.cmd.{engine_id}", s.policy_version, s.all_engine_stats, s.abort],
     )
 
 
@@ -206,6 +207,7 @@ def _trainer(s: Subjects) -> _Grants:
             f"{ns}.work.prefill.engine.*",
             s.policy_version,
             s.health,
+            s.abort,
             *replay,
             # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes.
             *s.context_stream_subjects,

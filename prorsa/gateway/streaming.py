@@ -1,0 +1,130 @@
+"""Server-sent events of a streamed turn, in OpenAI's chunk shapes (`chat.completion.chunk`, `text_completion`).
+
+Each engine chunk (its ids and their logprobs, as `TokenChunk`s arrive: `Trajectory.generate(on_chunk=)`) becomes
+one event carrying `token_ids` (and `logprobs` when asked); text is decoded incrementally, held back while it ends
+in a partial UTF-8 character, and held whole to the end when it may still change (`hold_text`: stop strings cut it,
+tool calls are parsed from all of it). The last event has the finish reason, `prompt_token_ids` and `prorsa` (the
+trajectory, turn, engine), then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prorsa.gateway import shapes
+from prorsa.gateway.turns import Turn
+
+Decode = Callable[[list[int]], str] | None
+
+
+async def drain(queue: asyncio.Queue, task: asyncio.Task) -> AsyncIterator[Any]:
+    """The chunks a running turn streams, until it ends (its own result or error is then the caller's)."""
+    while True:
+        if task.done() and queue.empty():
+            return
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            yield get.result()
+        else:
+            get.cancel()
+
+
+def _new_text(ids: list[int], sent: str, decode: Decode) -> str:
+    """Text of `ids` not yet sent ("" while the tail is a partial character or nothing new decoded)."""
+    if decode is None:
+        return ""
+    text = decode(ids)
+    if text.endswith("\ufffd") or not text.startswith(sent):
+        return ""
+    return text[len(sent) :]
+
+
+async def chat_events(
+    queue: asyncio.Queue,
+    task: asyncio.Task,
+    *,
+    model: str,
+    hold_text: bool,
+    logprobs: bool,
+    include_usage: bool,
+    decode: Decode,
+    message: Callable[[Turn], tuple[str | None, list]],
+) -> AsyncIterator[bytes]:
+    def frame(delta: dict, extra: dict, finish: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, **extra}
+        return {
+            "id": "chatcmpl-stream",
+            "object": "chat.completion.chunk",
+            "model": model,
+            "choices": [choice],
+        }
+
+    yield shapes.sse(frame({"role": "assistant", "content": ""}, {}))
+    ids: list[int] = []
+    sent = ""
+    async for chunk in drain(queue, task):
+        ids += chunk.token_ids
+        delta: dict[str, Any] = {}
+        if not hold_text and (new := _new_text(ids, sent, decode)):
+            delta["content"], sent = new, sent + new
+        out = frame(delta, {"token_ids": list(chunk.token_ids)})
+        if logprobs:
+            out["choices"][0]["logprobs"] = shapes.chat_logprobs(chunk.token_ids, chunk.logprobs, decode)
+        yield shapes.sse(out)
+    turn = (await task)[0]
+    content, calls = message(turn)
+    delta = {}
+    if content and content.startswith(sent) and len(content) > len(sent):
+        delta["content"] = content[len(sent) :]
+    if calls:
+        delta["tool_calls"] = [{"index": i, **c.as_openai()} for i, c in enumerate(calls)]
+    extra = {"prompt_token_ids": turn.prompt_ids, "prorsa": shapes.prorsa_fields(turn)}
+    yield shapes.sse(frame(delta, extra, "tool_calls" if calls else turn.finish_reason))
+    if include_usage:
+        usage = shapes.usage([turn])
+        yield shapes.sse(
+            {
+                "id": "chatcmpl-stream",
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+    yield shapes.sse("[DONE]")
+
+
+async def completion_events(
+    queue: asyncio.Queue,
+    task: asyncio.Task,
+    *,
+    model: str,
+    hold_text: bool,
+    logprobs: bool,
+    decode: Decode,
+) -> AsyncIterator[bytes]:
+    def frame(text: str, extra: dict, finish: str | None = None) -> dict:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None, **extra}
+        return {"id": "cmpl-stream", "object": "text_completion", "model": model, "choices": [choice]}
+
+    ids: list[int] = []
+    sent = ""
+    async for chunk in drain(queue, task):
+        ids += chunk.token_ids
+        new = "" if hold_text else _new_text(ids, sent, decode)
+        sent += new
+        out = frame(new, {"token_ids": list(chunk.token_ids)})
+        if logprobs:
+            out["choices"][0]["logprobs"] = shapes.completion_logprobs(
+                chunk.token_ids, chunk.logprobs, decode
+            )
+        yield shapes.sse(out)
+    turn = (await task)[0]
+    text = turn.text or ""
+    rest = text[len(sent) :] if text.startswith(sent) else ""
+    extra = {"prompt_token_ids": turn.prompt_ids, "prorsa": shapes.prorsa_fields(turn)}
+    yield shapes.sse(frame(rest, extra, turn.finish_reason))
+    yield shapes.sse("[DONE]")

