@@ -139,6 +139,7 @@ class ProrsaPolicy(AllocatorPolicy):
     # caches it dropped are in the queue, a cost the move was priced with, not the state of the split it reached.
     _settle_until: float = field(default=-math.inf, repr=False)
     settle: int = 1  # 1: a move within a step settles before the queue it made is read (`_settling`); 0: not
+    _colocated_now: bool = field(default=False, repr=False)  # the running split is colocation (`_turn`)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -181,6 +182,7 @@ class ProrsaPolicy(AllocatorPolicy):
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
+        self._colocated_now = current.mixed > 0
         snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
         if snapshot is not None and not live_count(snapshot.counts):
             self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
@@ -392,6 +394,7 @@ class ProrsaPolicy(AllocatorPolicy):
         out: list[float] = []
         switch_s, transit = switch.of(current, target)
         recompute_s = switch.recompute_s(current, target, self.capacity, shape) if switch_s > 0 else 0.0
+        recompute_s += self._backlog_s(target)
         for n in scenarios:
             if n <= 0:
                 out.append(0.0)
@@ -438,10 +441,26 @@ class ProrsaPolicy(AllocatorPolicy):
         key = (split, shape, n)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = turn_time(
-                split, shape, n, self.capacity, self.affinity_s, self._queued, self._queued_tokens
-            )
+            # The congested branch starts from the queue the running split made. A split leaving colocation does
+            # not inherit its cause — a colocated queue of whole contexts comes from caches its own decodes squeeze
+            # out (turn_model's capacity term), which dedicated prefill engines do not have — so it starts from an
+            # empty queue and pays the backlog as a stock (`_backlog_s`). Priced as the split's steady state, that
+            # queue made colocation look best from inside its own congestion: 1,500 s of a step on qwen3-235b at
+            # 512 held colocated. The other way round colocation inherits a split's queue whole (its caches are
+            # smaller still), and moving the relief there too made the policy swing between the families (36
+            # switches on deepseek-v3.2 at 512).
+            relieved = self._colocated_now and not split.mixed
+            queued, tokens = (0.0, 0.0) if relieved else (self._queued, self._queued_tokens)
+            hit = self._memo[key] = turn_time(split, shape, n, self.capacity, self.affinity_s, queued, tokens)
         return hit
+
+    def _backlog_s(self, target: Split) -> float:
+        """Seconds `target`'s prefill engines spend on the queued tokens when it does not inherit the running
+        colocation's congestion (`_turn`): a stock to work off once, at their full rate."""
+        if not (self._colocated_now and not target.mixed) or self._queued_tokens <= 0:
+            return 0.0
+        engines = target.prefill + target.mixed
+        return self._queued_tokens / (self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS) * max(engines, 1))
 
     # -- what the view says -------------------------------------------------------------------------------------
 
