@@ -194,9 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(out, f, indent=1)
         if args.plot_dir:
             os.makedirs(args.plot_dir, exist_ok=True)
-            cell = Cell(
-                entry["workload"], entry["profile"], entry["mode"], entry["batch_size"], entry["engines"]
-            )
+            fleet = 0 if entry["engines"] == 8 else entry["engines"]  # named in the file only when not 8
+            cell = Cell(entry["workload"], entry["profile"], entry["mode"], entry["batch_size"], fleet)
             plot_cell(entry, os.path.join(args.plot_dir, plot_name(cell)))
 
     run(
