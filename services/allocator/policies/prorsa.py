@@ -460,7 +460,9 @@ class ProrsaPolicy(AllocatorPolicy):
         if not (self._colocated_now and not target.mixed) or self._queued_tokens <= 0:
             return 0.0
         engines = target.prefill + target.mixed
-        return self._queued_tokens / (self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS) * max(engines, 1))
+        return self._queued_tokens / (
+            self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS) * max(engines, 1)
+        )
 
     # -- what the view says -------------------------------------------------------------------------------------
 
