@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import Any
 
 from prorsa.bench.compare import assemble, expand_policies, run_spec
@@ -104,7 +104,8 @@ def run(
     progress: Callable[[str], None],
     on_cell: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
-    """Every (cell, simulation) through one process pool; `on_cell` hears each cell's entry once it is whole."""
+    """Every (cell, simulation) through one process pool; `on_cell` hears each cell's entry once it is whole
+    (cells in the order they complete; the result lists them in the order asked)."""
     plans: list[tuple[Cell, SimConfig, tuple[str, ...], list[str]]] = []
     for cell in cells:
         base = cell_config(cell, steps, 8, seed)
@@ -122,18 +123,26 @@ def run(
         futures: dict[tuple[int, str], Future[dict[str, Any] | str]] = {
             (i, spec): pool.submit(run_spec, _with_policy(plans[i][1], spec)) for i, spec in order
         }
-        done = 0
-        for i, (cell, base, mine, specs) in enumerate(plans):
-            outcomes = {}
-            for spec in specs:
-                outcomes[spec] = futures[(i, spec)].result()
-                done += 1
-                progress(f"[{time.perf_counter() - t0:7.1f} s] {done}/{total} {cell.name} · {spec}")
-            rows, full = assemble(list(mine), outcomes)
+        # Progress as each simulation ends; a cell's entry once all of its simulations have (in any order).
+        left = {i: len(p[3]) for i, p in enumerate(plans)}
+        cell_of = {future: key for key, future in futures.items()}
+        for done, future in enumerate(as_completed(futures.values()), 1):
+            i, spec = cell_of[future]
+            cell, base, mine, specs = plans[i]
+            progress(f"[{time.perf_counter() - t0:7.1f} s] {done}/{total} {cell.name} · {spec}")
+            left[i] -= 1
+            if left[i]:
+                continue
+            rows, full = assemble(list(mine), {sp: futures[(i, sp)].result() for sp in specs})
             entry = cell_entry(cell, base, mine, rows, full, time.perf_counter() - t0)
             entries.append(entry)
             on_cell(entry)
-    return entries
+    asked = [(c.workload, c.profile, c.mode, c.batch_size, c.engines or 8) for c in cells]
+
+    def key(e: dict[str, Any]) -> int:
+        return asked.index((e["workload"], e["profile"], e["mode"], e["batch_size"], e["engines"]))
+
+    return sorted(entries, key=key)
 
 
 def _with_policy(base: SimConfig, spec: str) -> SimConfig:

@@ -353,7 +353,14 @@ class ProrsaPolicy(AllocatorPolicy):
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
         if best not in measured and not hold and not (idle and self.memory.next_known()):
-            return None, hold
+            # An unmeasured split may not be tried here; the best split this mix has measured still may — else a
+            # step's tail that left a worse split behind starts the next step on it (qwen3-235b at 512: a move to
+            # colocation with two trajectories live, and the next step colocated for 250 s while the replay
+            # ranked the measured 5:3 far ahead of it).
+            tried = {c: j for c, j in scored.items() if c in measured}
+            if not tried:
+                return None, hold
+            best = min(tried, key=lambda c: (tried[c], _distance(c, current)))
         # While idle, the projected gain must beat the model's own error on this record, not the fixed margin: the
         # margin stands for the switch costs and model error a move inside a step risks; between steps nothing is
         # drained, and the step the try runs measures the split (its bias, used by the next replay), so a gain the
