@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             cell = Cell(entry["workload"], entry["profile"], entry["mode"], entry["batch_size"], fleet)
             plot_cell(entry, os.path.join(args.plot_dir, plot_name(cell)))
 
-    run(
+    out["cells"] = run(
         cells,
         policies,
         args.steps,
@@ -216,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         args.oracle_up_to,
         lambda m: print(m, flush=True),
         on_cell,
-    )
+    )  # in the order asked (`on_cell` heard them as they completed)
+    out["summary"] = summary(out["cells"])
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(out, f, indent=1)
     text = markdown(out) + "\n" + summary_markdown(out["summary"])
     print(text)
     if args.markdown:
