@@ -57,9 +57,10 @@ from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
 
-# Wall seconds the stats loop waits for its addressed queue's pending count (a JetStream request): a slow answer
-# must not hold back the stats themselves, which carry the previous count meanwhile.
+# Wall seconds the backlog loop waits for its addressed queue's pending count (a JetStream request); the stats carry
+# the previous count meanwhile.
 STATS_QUERY_S = 0.5
+BACKLOG_INTERVAL_S = 1.0  # wall seconds between two reads of that count (stats go out more often in tests)
 # Wall seconds a dead engine's jobs get to hand themselves on (vLLM fails their streams at once) before the agent
 # hands them on itself.
 DEAD_ENGINE_GRACE_S = 2.0
@@ -187,6 +188,7 @@ class EngineAgent(Service):
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
         self.spawn(self.runner.progress_loop(self.config.progress_interval_s), name="progress")
         self.spawn(self._stats_loop(), name="stats")
+        self.spawn(self._backlog_loop(), name="backlog")
         self.spawn(self._liveness_loop(), name="liveness")
         assert self.nc is not None
         await self.nc.flush()  # the server has our subscriptions: a command sent after start() finds us
@@ -402,7 +404,9 @@ class EngineAgent(Service):
 
     # -- stats ---------------------------------------------------------------------------------------------------
 
-    async def _stats_loop(self) -> None:
+    async def _backlog_loop(self) -> None:
+        """Keeps `_addressed_waiting` (EngineStats.addressed_waiting) current in its own loop: a JetStream request
+        at most once a second, so the stats themselves never wait on the bus's answer."""
         while True:
             with contextlib.suppress(
                 *BUS_ERRORS, TimeoutError
@@ -410,6 +414,10 @@ class EngineAgent(Service):
                 self._addressed_waiting = await asyncio.wait_for(
                     self.puller.addressed_backlog(), STATS_QUERY_S
                 )
+            await asyncio.sleep(max(self.config.stats_interval_s, BACKLOG_INTERVAL_S))
+
+    async def _stats_loop(self) -> None:
+        while True:
             stats = self.stats_snapshot()
             self.domain_metrics.observe(stats, self.runner.prefill_new_tokens, self.runner.decode_tokens)
             with contextlib.suppress(*BUS_ERRORS):
