@@ -206,9 +206,10 @@ def test_nixl_host_is_routable_and_loopback_is_refused_with_a_remote_server() ->
 
 def test_a_port_block_serves_every_data_parallel_rank() -> None:
     base = free_port_block(4)
+    assert base > 0 and base + 4 <= 65536
     for port in range(base, base + 4):
         with socket.socket() as s:
-            s.bind(("", port))
+            s.bind(("", port))  # the assertion: every port of the block is free (a taken one raises OSError)
 
 
 def test_per_rank_stats_are_kept_apart_and_summed() -> None:

@@ -169,7 +169,7 @@ def test_every_quantile_stays_in_the_physical_range(
     for kind, length, level in segs:
         for k in range(length):
             run.window(kind, level, k == 0)
-            _check(run)
+            _check(run)  # the assertions: 0 <= q10 <= q50 <= q90 <= the bound, for every issued forecast
 
 
 @settings(max_examples=60, deadline=None)

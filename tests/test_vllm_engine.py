@@ -211,4 +211,6 @@ async def test_abort_on_a_dead_engine_is_a_no_op(without_vllm: None) -> None:
     dead = _FailingLlm(RuntimeError("engine core died"))
     dead.errored = True  # as AsyncLLM says once its engine core process is gone
     engine._llm = dead
-    await engine.abort("r")  # nothing left to abort: the hand-on of the agent's jobs must not stop here
+    # The assertion is that this returns: nothing is left to abort, and an exception here would stop the agent's
+    # hand-on of its jobs.
+    await engine.abort("r")
