@@ -72,6 +72,7 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
+from services.runtime.affinity import worth_prompts
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -289,7 +290,7 @@ class RolloutClient:
             stalls = 0  # retries after retry_after_s without progress; outage retries do not count
             for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                worth = request.prompt_len / new_tokens if new_tokens > 0 else 0.0
+                worth = worth_prompts(request.prompt_len, new_tokens)
                 await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline, worth)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
