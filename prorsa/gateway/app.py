@@ -47,6 +47,7 @@ from prorsa.gateway.schemas import (
 from prorsa.gateway.sessions import Session
 from prorsa.gateway.tool_parser import make_parser
 from prorsa.gateway.turns import Gateway, PromptBuilder, Turn, TurnError
+from proto import MAX_TOP_LOGPROBS
 
 M = TypeVar("M", bound=BaseModel)
 SESSION_HEADER = "x-prorsa-trajectory"
@@ -226,10 +227,8 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         req = await self._parse(request, ChatRequest)
         tok = self._tokenizer("chat")
-        if req.top_logprobs:
-            raise UnsupportedField(
-                "top_logprobs", "top-k logprobs are not returned: only the sampled token's"
-            )
+        if req.top_logprobs and not req.logprobs:
+            raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true (as OpenAI's API)")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise UnsupportedField("response_format", "only response_format type 'text' is supported")
         if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
@@ -265,9 +264,10 @@ class _Api:
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        if req.logprobs is not None and req.logprobs > 0:
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise UnsupportedField(
-                "logprobs", "top-k logprobs are not returned: logprobs=0 gives the sampled token's"
+                "logprobs",
+                f"logprobs={req.logprobs}: 0 (the sampled token's) to {MAX_TOP_LOGPROBS} alternatives",
             )
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -277,7 +277,8 @@ class _Api:
         ids = self._tokenizer("a text prompt").encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise HttpError(400, "invalid_field", "the prompt is empty", "prompt")
-        sampling = build_sampling(req.model_dump(), self.gw.config.max_tokens_cap)
+        fields = req.model_dump() | {"top_logprobs": req.logprobs or 0}
+        sampling = build_sampling(fields, self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
         builder = self._ids_builder(ids)
         if req.stream:
@@ -309,6 +310,11 @@ class _Api:
                 fields[SGLANG_SAMPLING[key]] = value
         if fields.get("n", 1) != 1:
             raise UnsupportedField("sampling_params.n", "/generate takes one sample; send n requests")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise UnsupportedField("top_logprobs_num", f"top_logprobs_num: 0 to {MAX_TOP_LOGPROBS}")
+        if req.top_logprobs_num and not req.return_logprob:
+            raise UnsupportedField("top_logprobs_num", "top_logprobs_num needs return_logprob: true")
+        fields["top_logprobs"] = req.top_logprobs_num
         if req.input_ids is not None:
             ids = list(req.input_ids)
         elif req.text is not None:

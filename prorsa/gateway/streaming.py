@@ -72,7 +72,9 @@ async def chat_events(
             delta["content"], sent = new, sent + new
         out = frame(delta, {"token_ids": list(chunk.token_ids)})
         if logprobs:
-            out["choices"][0]["logprobs"] = shapes.chat_logprobs(chunk.token_ids, chunk.logprobs, decode)
+            out["choices"][0]["logprobs"] = shapes.chat_logprobs(
+                chunk.token_ids, chunk.logprobs, decode, chunk.top_logprobs
+            )
         yield shapes.sse(out)
     turn = (await task)[0]
     content, calls = message(turn)
@@ -119,7 +121,7 @@ async def completion_events(
         out = frame(new, {"token_ids": list(chunk.token_ids)})
         if logprobs:
             out["choices"][0]["logprobs"] = shapes.completion_logprobs(
-                chunk.token_ids, chunk.logprobs, decode
+                chunk.token_ids, chunk.logprobs, decode, chunk.top_logprobs
             )
         yield shapes.sse(out)
     turn = (await task)[0]

@@ -27,6 +27,8 @@ from proto import TokenChunk
 from services.runtime.logging import get_logger
 
 log = get_logger("gateway", "")
+# Sampling fields only an engine can check (its own logprobs kind and top-k limit).
+_ENGINE_CHECKED = ("logprobs_mode", "top_logprobs")
 
 
 class TurnError(Exception):
@@ -54,6 +56,8 @@ class Turn:
     engine_id: str
     policy_version: int
     ttft_s: float
+    # Per output token, its k most likely (token id, logprob), the most likely first (sampling.top_logprobs = k)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -183,13 +187,16 @@ class Gateway:
         turn = traj.turn
         watch = on_chunk
         if sampling.stop and self.tokenizer is not None:
-            watch = self._stop_watch(traj, sampling.stop, self.tokenizer, on_chunk)
+            watch = self._stop_watch(traj, sampling, self.tokenizer, on_chunk)
         self.metrics.in_flight.inc()
         self.live[traj.traj_id] = traj
         try:
             result = await traj.generate(prompt_ids, sampling.params, on_chunk=watch)
         except GenerateError as exc:
-            raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}") from exc
+            # An engine's refusal of a sampling field starts with the field's name (the backends'
+            # `sampling_problem`): name it as the refusals made here do.
+            param = next((f for f in _ENGINE_CHECKED if str(exc).startswith(f)), None)
+            raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}", param) from exc
         except ClusterSaturated as exc:
             raise TurnError(429, "overloaded", str(exc)) from exc
         except TimeoutError as exc:
@@ -198,13 +205,15 @@ class Gateway:
             self.live.pop(traj.traj_id, None)
             self.metrics.in_flight.dec()
         ids, logprobs, reason = list(result.token_ids), result.logprobs, result.finish_reason
+        top = result.top_logprobs
         text = self.decode(ids)
         if sampling.stop and self.tokenizer is not None:
-            cut = cut_at_stop(ids, sampling.stop, self.tokenizer.decode)
+            cut = cut_at_stop(ids, sampling.stop, self.tokenizer.decode, sampling.params.min_tokens)
             if cut is not None:
                 keep, text = cut
                 ids, reason = ids[:keep], "stop"
                 logprobs = logprobs[:keep] if logprobs is not None else None
+                top = top[:keep] if top is not None else None
                 # The turn's output is what the caller keeps: the next prompt extends that, not the tokens the
                 # engine sampled past the stop string (so the SDK's prefix check agrees with the session's).
                 traj.last_context = [*prompt_ids, *ids]
@@ -220,12 +229,13 @@ class Gateway:
             result.engine_id,
             result.policy_version,
             result.ttft_s,
+            top,
         )
 
     def _stop_watch(
         self,
         traj: Trajectory,
-        stops: tuple[str, ...],
+        sampling: Sampling,
         tokenizer: ChatTokenizer,
         on_chunk: Callable[[TokenChunk], None] | None,
     ) -> Callable[[TokenChunk], None]:
@@ -237,6 +247,7 @@ class Gateway:
         # vocabulary, hence the margin), so a long output costs one short decode per chunk, not a whole one.
         # A stop string missed here (all of it inside out-of-vocabulary ids) only delays the abort: the cut in
         # `_generate` reads the whole output.
+        stops, min_tokens = sampling.stop, sampling.params.min_tokens
         margin = 4 * max(len(s) for s in stops) + 8
         aborted = False
 
@@ -248,7 +259,11 @@ class Gateway:
                 return
             ids.extend(chunk.token_ids)
             tail = tokenizer.decode(ids[-(len(chunk.token_ids) + margin) :])
-            if any(s in tail for s in stops):
+            # With min_tokens, a stop string in the tail may lie within the first min_tokens tokens, where it does
+            # not count: the whole cut decides then (rarely: only once the tail holds one).
+            if any(s in tail for s in stops) and (
+                min_tokens == 0 or cut_at_stop(ids, stops, tokenizer.decode, min_tokens) is not None
+            ):
                 aborted = True
                 self.metrics.aborts.labels(cause="stop").inc()
                 task = asyncio.ensure_future(traj.abort("stop string"))
