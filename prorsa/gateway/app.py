@@ -2,7 +2,7 @@
 
   POST /v1/chat/completions              chat template applied incrementally; session = trajectory
   POST /v1/completions                   prompt as text or token ids
-  POST /generate                         SGLang-shaped token-in/token-out
+  POST /generate                         SGLang-shaped token-in/token-out (SSE with stream: true)
   POST /v1/trajectories/{id}/finish      reward and outcome (as the SDK's `finish`)
   POST /v1/trajectories/{id}/abort       stop the session's running turn, close the trajectory as aborted
   GET  /v1/models, /health, /metrics
@@ -300,8 +300,6 @@ class _Api:
 
     async def generate(self, request: Request) -> Response:
         req = await self._parse(request, GenerateRequest)
-        if req.stream:
-            raise UnsupportedField("stream", "/generate answers whole turns; stream on /v1/completions")
         fields: dict[str, Any] = {}
         for key, value in req.sampling_params.items():
             if key not in SGLANG_SAMPLING:
@@ -325,9 +323,16 @@ class _Api:
             raise HttpError(400, "invalid_field", "the prompt is empty", "input_ids")
         sampling = build_sampling(fields, self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
-        turns = await self._answer(
-            request, session_id, 1, self._ids_builder(ids), sampling, req.task, req.policy_version
-        )
+        builder = self._ids_builder(ids)
+        if req.stream:
+            events = functools.partial(
+                streaming.generate_events,
+                hold_text=bool(sampling.stop),
+                logprobs=req.return_logprob,
+                decode=self.gw.tokenizer.decode if self.gw.tokenizer is not None else None,
+            )
+            return await self._stream(session_id, builder, sampling, req.task, req.policy_version, events)
+        turns = await self._answer(request, session_id, 1, builder, sampling, req.task, req.policy_version)
         return JSONResponse(shapes.generate_response(turns[0], req.return_logprob))
 
     async def finish(self, request: Request) -> Response:
