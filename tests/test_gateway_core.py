@@ -83,6 +83,22 @@ def test_sessions_extend_or_break() -> None:
     assert full.value.status == 429
 
 
+def test_a_session_found_on_the_bus_is_forgotten_and_one_closed_there_is_finished() -> None:
+    table = SessionTable()
+    s, fresh = table.acquire("lost-1", 0.0)
+    assert fresh
+    table.forget("lost-1")  # the caller found it open on the bus: nothing of it stays here
+    table.release(s)
+    assert len(table) == 0 and table.idle(10_000.0, 1.0) == []
+    with pytest.raises(SessionError) as unknown:
+        table.get("lost-1")
+    assert unknown.value.status == 404  # still unknown here: /finish looks on the bus again
+    table.closed("lost-1")  # closed there
+    with pytest.raises(SessionError) as finished:
+        table.acquire("lost-1", 1.0)
+    assert (finished.value.status, finished.value.code) == (409, "session_finished")
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
@@ -152,7 +168,10 @@ def test_a_stop_string_within_min_tokens_does_not_cut() -> None:
 
     ids = [1, 2, 3, 4, 5, 6]  # "aXbcXd": X completes with token 2 and token 5
     assert cut_at_stop(ids, ("X",), decode) == (2, "a")
-    assert cut_at_stop(ids, ("X",), decode, min_tokens=2) == (2, "a")  # token 2 is the min_tokens-th: it counts
+    assert cut_at_stop(ids, ("X",), decode, min_tokens=2) == (
+        2,
+        "a",
+    )  # token 2 is the min_tokens-th: it counts
     assert cut_at_stop(ids, ("X",), decode, min_tokens=3) == (5, "aXbc")
     assert cut_at_stop(ids, ("cX",), decode, min_tokens=5) == (5, "aXb")  # completed by token 5: counts
     assert cut_at_stop(ids, ("X",), decode, min_tokens=6) is None

@@ -240,6 +240,14 @@ class RolloutClient:
         )
         return traj
 
+    async def close_trajectory(
+        self, traj_id: str, reward: float | None = None, status: str = "aborted"
+    ) -> None:
+        """Finish a trajectory this client does not hold (another client started it: a gateway before its restart):
+        its `TrajectoryFinished` (the tracker counts its turns) and the purge of its context log."""
+        await self.emit(TrajectoryFinished, traj_id=traj_id, status=status, reward=reward, turns=0)
+        await self.context_log.purge(traj_id)
+
     # --- the lean wire ---------------------------------------------------------------------------------------
     def check_payload(self, request: GenerateRequest) -> int:
         """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""

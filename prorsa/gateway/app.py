@@ -10,8 +10,9 @@
 A session is named by the `X-Prorsa-Trajectory` header or the body's `trajectory_id` (an OpenAI client's
 `extra_body`). Every refusal is a JSON error body in OpenAI's shape, counted by kind: malformed JSON or a field
 Prorsa cannot honour (400, naming it), a missing or wrong API key (401), an unknown session (404), a finished or
-busy session (409), a body over `max_body_bytes` (413), too many turns at once or a saturated cluster (429 with
-Retry-After). Bodies are parsed here (not by a framework's validator) so every error has that one shape.
+busy session (409), a session open on the bus but not here (409 `session_lost`: the gateway restarted), a body
+over `max_body_bytes` (413), too many turns at once or a saturated cluster (429 with Retry-After). Bodies are parsed
+here (not by a framework's validator) so every error has that one shape.
 """
 
 from __future__ import annotations
@@ -338,13 +339,13 @@ class _Api:
     async def finish(self, request: Request) -> Response:
         req = await self._parse(request, FinishRequest)
         traj_id = request.path_params["traj_id"]
-        s = await self.gw.finish(traj_id, req.reward, req.status)
-        return JSONResponse({"id": traj_id, "object": "trajectory", "status": req.status, "turns": s.turns})
+        turns = await self.gw.finish(traj_id, req.reward, req.status)
+        return JSONResponse({"id": traj_id, "object": "trajectory", "status": req.status, "turns": turns})
 
     async def abort(self, request: Request) -> Response:
         traj_id = request.path_params["traj_id"]
-        s = await self.gw.abort(traj_id)
-        return JSONResponse({"id": traj_id, "object": "trajectory", "status": "aborted", "turns": s.turns})
+        turns = await self.gw.abort(traj_id)
+        return JSONResponse({"id": traj_id, "object": "trajectory", "status": "aborted", "turns": turns})
 
     async def models(self, request: Request) -> Response:
         name = self.gw.config.model_name

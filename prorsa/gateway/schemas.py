@@ -2,8 +2,8 @@
 
 Unknown top-level fields are refused (`extra="forbid"`: a 400 naming the field), so nothing a client asks for is
 silently dropped; the fields of `sampling.py`'s refusal table (min_p, logit_bias, guided decoding, ...) are accepted
-here only to be refused there with a reason. Session fields (`trajectory_id`, `task`, `policy_version`) are Prorsa's additions, sent by an OpenAI client
-through `extra_body`. Messages accept the extra fields an OpenAI client echoes back from a response (`refusal`,
+here only to be refused there with a reason. Session fields (`trajectory_id`, `task`, `policy_version`) are
+Prorsa's additions, sent by an OpenAI client through `extra_body`. Messages accept the extra fields an OpenAI client echoes back from a response (`refusal`,
 `annotations`, ...) and keep only what the chat template reads (`template_message`).
 """
 

@@ -4,6 +4,11 @@ Each HTTP request becomes one turn (or n, for a group): the session is acquired 
 by the caller from it, the turn run with `Trajectory.generate` (so placement, affinity, retries and exactly-once
 streams are the SDK's), stop strings applied, and the session told what the next turn must extend.
 
+A gateway that restarts loses its sessions (their turns' ids live only here). A request naming a session this process
+does not hold, but which the bus holds open (its turns are in the context log and it was not finished), is answered
+409 `session_lost`, never continued from a guess and never started afresh under an id whose request ids the engines
+have seen: the client starts a new session, and `/finish` or `/abort` of the lost one closes it on the bus.
+
 The tool call is the gap between a session's turns: after a response goes out the gateway reports the tool call's
 start, and when the session's next request arrives its end (with the observation's size: the prompt's new tokens),
 so the tracker sees every agent's tool calls without the agent saying anything. A request with no session is a
@@ -18,6 +23,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import nats
+
 from prorsa.client.client import ClusterSaturated, GenerateError, RolloutClient, Trajectory
 from prorsa.gateway.chat_template import ChatTokenizer
 from prorsa.gateway.metrics import GatewayMetrics
@@ -27,6 +34,17 @@ from proto import TokenChunk
 from services.runtime.logging import get_logger
 
 log = get_logger("gateway", "")
+
+
+def _lost(traj_id: str) -> str:
+    return (
+        f"session {traj_id!r} is open on the bus but not held by this gateway process (it restarted, or another "
+        "gateway holds the session): its turns' token ids are not here, so it cannot go on token-exactly. Start a "
+        f"new session (a new trajectory id); POST /v1/trajectories/{traj_id}/finish (with its reward) or /abort "
+        "closes this one"
+    )
+
+
 # Sampling fields only an engine can check (its own logprobs kind and top-k limit).
 _ENGINE_CHECKED = ("logprobs_mode", "top_logprobs")
 
@@ -129,6 +147,9 @@ class Gateway:
             self.running[session_id] = current
         try:
             if fresh:
+                if await self._open_on_bus(session_id):
+                    self.sessions.forget(session_id)
+                    raise TurnError(409, "session_lost", _lost(session_id))
                 self.trajectories[session_id] = await self.client.start_trajectory(
                     session_id, task=task, policy_version=policy_version, group=group
                 )
@@ -321,8 +342,30 @@ class Gateway:
                 "max_tokens",
             )
 
-    async def finish(self, traj_id: str, reward: float | None, status: str) -> Session:
-        """Close a session as the SDK's `finish` does. Raises TurnError (404 unknown, 409 finished or busy)."""
+    async def _open_on_bus(self, traj_id: str) -> bool:
+        """Whether `traj_id`, unknown here, is a trajectory open on the bus (see the module doc). Raises TurnError
+        503 when the bus cannot say."""
+        try:
+            return await self.client.context_log.holds(traj_id)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise TurnError(
+                503, "bus_unavailable", f"cannot look up session {traj_id!r} on the bus: {exc!r}"
+            ) from exc
+
+    async def _close_lost(self, traj_id: str, reward: float | None, status: str) -> bool:
+        """Close on the bus a session open there but not here (see the module doc); False: the bus does not hold
+        it either."""
+        if not await self._open_on_bus(traj_id):
+            return False
+        await self.client.close_trajectory(traj_id, reward=reward, status=status)
+        self.sessions.closed(traj_id)
+        log.info("lost_session_closed", traj_id=traj_id, status=status)
+        return True
+
+    async def finish(self, traj_id: str, reward: float | None, status: str) -> int | None:
+        """Close a session as the SDK's `finish` does; returns its turns (None: a session opened before a restart
+        or by another gateway, closed on the bus, its turns counted by the tracker). Raises TurnError (404
+        unknown, 409 finished or busy)."""
         try:
             s = self.sessions.get(traj_id)
             if s.busy:
@@ -331,6 +374,8 @@ class Gateway:
                 )
             self.sessions.finish(traj_id)
         except SessionError as exc:
+            if exc.status == 404 and await self._close_lost(traj_id, reward, status):
+                return None
             raise TurnError(exc.status, exc.code, str(exc)) from exc
         traj = self.trajectories.pop(traj_id)
         gap = self._tool_started.pop(traj_id, None)
@@ -338,7 +383,7 @@ class Gateway:
             await gap
         await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
         self.metrics.sessions.set(len(self.sessions))
-        return s
+        return s.turns
 
     async def abort_all(self) -> int:
         """A stopping gateway's last word: abort every running turn on its engine (answered "abort" to the clients
@@ -361,12 +406,14 @@ class Gateway:
             closed.append(traj_id)
         return closed
 
-    async def abort(self, traj_id: str) -> Session:
-        """Stop the session's running turn, if any, and close its trajectory as aborted. Raises TurnError (404
-        unknown, 409 finished)."""
+    async def abort(self, traj_id: str) -> int | None:
+        """Stop the session's running turn, if any, and close its trajectory as aborted; returns its turns (None: a
+        lost session, as `finish`). Raises TurnError (404 unknown, 409 finished)."""
         try:
             self.sessions.get(traj_id)
         except SessionError as exc:
+            if exc.status == 404 and await self._close_lost(traj_id, None, "aborted"):
+                return None
             raise TurnError(exc.status, exc.code, str(exc)) from exc
         task = self.running.get(traj_id)
         if task is not None and not task.done():
