@@ -120,9 +120,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    min_tokens: NonNegInt = (
-        0  # output tokens before a stop token or EOS may end the turn (capped by max_tokens)
-    )
+    # Output tokens before a stop token or EOS may end the turn (capped by max_tokens).
+    min_tokens: NonNegInt = 0
     # Per output token, the `top_logprobs` most likely tokens and their logprobs (`TokenChunk.top_logprobs`);
     # 0: none. At most 20, vLLM's default `max_logprobs`.
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0

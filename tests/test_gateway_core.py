@@ -168,10 +168,8 @@ def test_a_stop_string_within_min_tokens_does_not_cut() -> None:
 
     ids = [1, 2, 3, 4, 5, 6]  # "aXbcXd": X completes with token 2 and token 5
     assert cut_at_stop(ids, ("X",), decode) == (2, "a")
-    assert cut_at_stop(ids, ("X",), decode, min_tokens=2) == (
-        2,
-        "a",
-    )  # token 2 is the min_tokens-th: it counts
+    # Token 2 is the min_tokens-th: a stop string it completes counts.
+    assert cut_at_stop(ids, ("X",), decode, min_tokens=2) == (2, "a")
     assert cut_at_stop(ids, ("X",), decode, min_tokens=3) == (5, "aXbc")
     assert cut_at_stop(ids, ("cX",), decode, min_tokens=5) == (5, "aXb")  # completed by token 5: counts
     assert cut_at_stop(ids, ("X",), decode, min_tokens=6) is None

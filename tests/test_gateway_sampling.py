@@ -45,18 +45,16 @@ async def test_chat_honours_penalties_min_tokens_and_top_logprobs(sim_gateway: s
     ids = choice["token_ids"]
     content = choice["logprobs"]["content"]
     assert len(ids) == 8 and choice["finish_reason"] == "length"
-    want = _expected_top(
-        "samp-chat-1:0", 8, 3
-    )  # the first token's came from the prefill engine, in the handoff
+    # The first token's alternatives came from the prefill engine, in the handoff.
+    want = _expected_top("samp-chat-1:0", 8, 3)
     got = [[(alt["token_id"], alt["logprob"]) for alt in entry["top_logprobs"]] for entry in content]
     assert got == [[(t, pytest.approx(lp)) for t, lp in alts] for alts in want]
     for tok, entry in zip(ids, content, strict=True):
         assert entry["token_id"] == tok and len(entry["top_logprobs"]) == 3
         lps = [alt["logprob"] for alt in entry["top_logprobs"]]
         assert lps == sorted(lps, reverse=True) and sum(math.exp(lp) for lp in lps) <= 1.0 + 1e-9
-        assert (
-            entry["logprob"] <= lps[0] + 1e-12
-        )  # the most likely listed is at least as likely as the sampled
+        # The most likely listed is at least as likely as the sampled token.
+        assert entry["logprob"] <= lps[0] + 1e-12
         # The sampled token is listed exactly when it ranks within the k.
         assert (entry["logprob"] >= lps[-1]) == any(alt["token_id"] == tok for alt in entry["top_logprobs"])
     await client.close()
@@ -155,6 +153,5 @@ async def test_a_refused_request_opens_no_session_and_uses_no_turn(sim_gateway: 
         ok = await http.post(
             f"{sim_gateway}/completions", json={"prompt": [1], "max_tokens": 1, "trajectory_id": "x-1"}
         )
-        assert (
-            ok.status_code == 200 and ok.json()["choices"][0]["prorsa"]["turn"] == 0
-        )  # the refusal used no turn
+        # The refusal used no turn: the session's first turn is still turn 0.
+        assert ok.status_code == 200 and ok.json()["choices"][0]["prorsa"]["turn"] == 0

@@ -60,9 +60,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling, _Session):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = (
-        None  # OpenAI: k alternatives per token as well; 0 returns the sampled token's only
-    )
+    # OpenAI: k alternatives per token as well; 0 returns the sampled token's only
+    logprobs: int | None = None
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None

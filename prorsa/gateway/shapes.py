@@ -46,9 +46,8 @@ def token_strings(ids: list[int], decode: Any) -> list[str]:
     return [decode([i]) or "" for i in ids] if decode is not None else [f"token_id:{i}" for i in ids]
 
 
-Top = (
-    list[list[tuple[int, float]]] | None
-)  # per token, (token id, logprob) alternatives, the most likely first
+# Per token, its (token id, logprob) alternatives, the most likely first (None: not asked for).
+Top = list[list[tuple[int, float]]] | None
 
 
 def _alternatives(top: Top, n: int) -> list[list[tuple[int, float]]]:

@@ -88,9 +88,8 @@ class PrefillResult:
         False  # the first token ends the request (stop token, or one token left): no decode needed
     )
     finish_reason: str = ""  # when finished
-    first_top_logprobs: list[tuple[int, float]] | None = (
-        None  # the first token's alternatives (as GenChunk's)
-    )
+    # The first token's alternatives (as GenChunk's top_logprobs); None when not asked for.
+    first_top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
