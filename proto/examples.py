@@ -41,7 +41,7 @@ _req = GenerateRequest(
     turn=3,
     prompt_token_ids=[151644, 872, 198, 3838],
     prompt_len=3108,
-    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7),
+    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7, top_logprobs=2),
     reply_to="prorsa.reply.trainer-0",
     policy_version=12,
     task="coding",
@@ -106,6 +106,7 @@ EXAMPLES: dict[type[Message], Message] = {
         prefill_new_tokens=4,
         prefill_cached_tokens=0,
         handed_off_s=T0 + 0.1,
+        first_top_logprobs=[(1234, -0.7), (873, -1.1)],
     ),
     PrefillDone: PrefillDone(
         engine_id="engine-0",
@@ -151,7 +152,12 @@ EXAMPLES: dict[type[Message], Message] = {
         error="prompt of 40000 tokens exceeds max_model_len 32768",
     ),
     TokenChunk: TokenChunk(
-        request_id="traj-7:3", index=0, token_ids=[1234, 99], logprobs=[-0.7, -1.2], engine_id="engine-5"
+        request_id="traj-7:3",
+        index=0,
+        token_ids=[1234, 99],
+        logprobs=[-0.7, -1.2],
+        engine_id="engine-5",
+        top_logprobs=[[(1234, -0.7), (873, -1.1)], [(4410, -0.9), (99, -1.2)]],
     ),
     AbortRequest: AbortRequest(
         request_id="traj-7:3", traj_id="traj-7", ts_s=T0 + 2.5, reason="client went away"

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -240,6 +241,14 @@ class RolloutClient:
         )
         return traj
 
+    async def close_trajectory(
+        self, traj_id: str, reward: float | None = None, status: str = "aborted"
+    ) -> None:
+        """Finish a trajectory this client does not hold (another client started it: a gateway before its restart):
+        its `TrajectoryFinished` (the tracker counts its turns) and the purge of its context log."""
+        await self.emit(TrajectoryFinished, traj_id=traj_id, status=status, reward=reward, turns=0)
+        await self.context_log.purge(traj_id)
+
     # --- the lean wire ---------------------------------------------------------------------------------------
     def check_payload(self, request: GenerateRequest) -> int:
         """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
@@ -424,6 +433,17 @@ class RolloutClient:
         return f"{self._reply_prefix}.{n}"
 
 
+def checked_sampling(sampling: SamplingParams | dict) -> SamplingParams:
+    """`sampling` checked against the contract's bounds: a Struct's constructor does not check them, and an engine
+    would refuse the turn only once published. Raises TypeError for an unknown key of a dict, ValueError naming the
+    field for a value out of bounds (e.g. `top_logprobs` past 20)."""
+    params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+    try:
+        return msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from exc
+
+
 def _with_attempt(req: GenerateRequest, attempt: int) -> GenerateRequest:
     import msgspec
 
@@ -460,8 +480,9 @@ class Trajectory:
         """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs.
 
         `on_tokens` sees each new batch of output ids as it streams; `on_chunk` each new `TokenChunk` whole
-        (its ids with their logprobs, in arrival order). Raises GenerateError when the engine rejects
-        the turn, TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
+        (its ids with their logprobs, in arrival order). Raises ValueError for sampling outside the contract's
+        bounds (before anything is sent), GenerateError when the engine rejects the turn, TimeoutError when it
+        makes no progress (after retries) or outlasts `timeout_s`.
         """
         return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk)
 
@@ -477,7 +498,7 @@ class Trajectory:
         """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+        params = checked_sampling(sampling)
         self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"

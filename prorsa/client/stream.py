@@ -39,6 +39,9 @@ class GenerateResult:
     policy_version: int
     restarts: int  # times the stream restarted from scratch (engine loss)
     error: str = ""
+    # Per output token, the `sampling.top_logprobs` most likely (token id, logprob), the most likely first; None
+    # when not asked for (or an engine sent a chunk without them).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +144,11 @@ class StreamAssembler:
         logprobs: list[float] | None = None
         if all(c.logprobs is not None or not c.token_ids for c in ordered):  # a chunk of no tokens needs none
             logprobs = [lp for c in ordered for lp in (c.logprobs or [])]
+        top: list[list[tuple[int, float]]] | None = None
+        if any(c.top_logprobs for c in ordered) and all(
+            c.top_logprobs is not None or not c.token_ids for c in ordered
+        ):
+            top = [list(alts) for c in ordered for alts in (c.top_logprobs or [])]
         return GenerateResult(
             request_id=self.request_id,
             token_ids=tokens,
@@ -155,4 +163,5 @@ class StreamAssembler:
             policy_version=last.policy_version,
             restarts=self.restarts,
             error=last.error,
+            top_logprobs=top,
         )

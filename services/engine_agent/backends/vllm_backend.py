@@ -21,6 +21,15 @@ engine has claimed yet included, as vLLM keeps them allocated) and its preemptio
 `prefix_cache_tokens` is counted here: the contexts of the trajectories this engine served last (the newest
 first, each trajectory once), as many tokens as its KV cache holds — the LRU order in which vLLM evicts them.
 
+Sampling. A turn's `SamplingParams` map onto vLLM's: temperature, top-p/top-k, seed, stop token ids, ignore_eos,
+the presence, frequency and repetition penalties, `min_tokens` and `top_logprobs` (vLLM's `logprobs=k`). Counts
+that vLLM keeps per request start at this engine's first output token: `min_tokens` is reduced by the tokens a
+migrated request already streamed, and its presence/frequency penalties do not count those (vLLM sees them as
+prompt; the repetition penalty, which counts the prompt too, does). A decode after a handoff samples the first
+token again, so its counts are whole. Which logprobs come back is vLLM's engine-wide `logprobs_mode` (an engine
+argument; raw_logprobs by default): a turn asking for the other kind is refused by `sampling_problem`, as is one
+asking for more alternatives than `max_logprobs`.
+
 Roles. Every engine runs the NIXL connector as `kv_both`, so prefill, decode and mixed work need no restart:
 `set_role` only restarts the engine when `role_overrides` gives the new role different engine settings (for
 example a larger batch for decode), and that restart costs a full engine start (tens of seconds on CPU).
@@ -38,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -139,6 +148,7 @@ class VllmBackend:
         return end - len(request.resume_token_ids)
 
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
+        """The engine's sampling keywords for one call, whose output starts at position len(resume)."""
         s = request.sampling
         return {
             "temperature": s.temperature,
@@ -147,7 +157,25 @@ class VllmBackend:
             "logprobs": s.logprobs,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "min_tokens": max(0, s.min_tokens - len(request.resume_token_ids)),
+            "top_logprobs": s.top_logprobs,
         }
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        """See "Sampling" in the module doc."""
+        mode = self.engine.logprobs_mode
+        if sampling.logprobs_mode and sampling.logprobs_mode != mode:
+            return (
+                f"logprobs_mode {sampling.logprobs_mode!r} asked for, but engine {self.engine.config.engine_id} "
+                f"returns {mode!r} (vLLM's engine argument logprobs_mode)"
+            )
+        cap = self.engine.max_logprobs
+        if 0 <= cap < sampling.top_logprobs:
+            return f"top_logprobs {sampling.top_logprobs} exceeds the engine's max_logprobs {cap}"
+        return ""
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         context = _context(request)
@@ -181,6 +209,7 @@ class VllmBackend:
                     finished=chunk.finished,
                     finish_reason=_finish_reason(chunk),
                     prefill=prefill,
+                    top_logprobs=chunk.top_logprobs,
                 )
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
@@ -203,6 +232,7 @@ class VllmBackend:
         return PrefillResult(
             first_token_id=h.first_token_id,
             first_logprob=h.first_logprob,
+            first_top_logprobs=h.first_top_logprobs,
             kv_transfer_params=h.kv_transfer_params,
             new_tokens=h.num_prompt_tokens - h.num_cached_tokens,
             cached_tokens=h.num_cached_tokens,
@@ -219,11 +249,13 @@ class VllmBackend:
         reason = _finish_reason(last)
         tokens = [t for c in chunks for t in c.token_ids]
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        tops = [t for c in chunks for t in (c.top_logprobs or [])]
         if reason == "abort" or not tokens:
             raise RequestAborted(f"prefill {request.request_id} aborted")
         return PrefillResult(
             first_token_id=tokens[0],
             first_logprob=logprobs[0] if logprobs else None,
+            first_top_logprobs=tops[0] if tops else None,
             kv_transfer_params=None,
             new_tokens=len(context) - last.num_cached_tokens,
             cached_tokens=last.num_cached_tokens,
@@ -280,7 +312,13 @@ class VllmBackend:
                 produced += len(chunk.token_ids)
                 if chunk.finished:
                     self._served(request, len(context) + 1 + produced)
-                yield GenChunk(chunk.token_ids, chunk.logprobs, chunk.finished, _finish_reason(chunk))
+                yield GenChunk(
+                    chunk.token_ids,
+                    chunk.logprobs,
+                    chunk.finished,
+                    _finish_reason(chunk),
+                    top_logprobs=chunk.top_logprobs,
+                )
 
     def _is_own_handoff(self, handoff: DecodeHandoff) -> bool:
         params = handoff.kv_transfer_params or {}
@@ -300,7 +338,10 @@ class VllmBackend:
     @staticmethod
     def _without_first_token(chunk: EngineChunk) -> GenChunk:
         logprobs = chunk.logprobs[1:] if chunk.logprobs is not None else None
-        return GenChunk(chunk.token_ids[1:], logprobs, chunk.finished, _finish_reason(chunk))
+        top = chunk.top_logprobs[1:] if chunk.top_logprobs is not None else None
+        return GenChunk(
+            chunk.token_ids[1:], logprobs, chunk.finished, _finish_reason(chunk), top_logprobs=top
+        )
 
     async def _decode_locally(self, request: GenerateRequest, first_token_id: int) -> AsyncIterator[GenChunk]:
         resumed = msgspec.structs.replace(
