@@ -280,6 +280,45 @@ def test_a_few_turns_per_window_are_sampling_noise_not_model_error() -> None:
     )  # the windows miss by 0.26-0.36 each, ~0.25 of it what ten turns always miss by
 
 
+def first_prompts(n: int, profile: str = "deepseek-v3.2") -> ClusterView:
+    """A step's first window: every first prompt submitted at once, none answered, most still queued."""
+    first = TurnShape(new_tokens=4_000, output_tokens=200, context_tokens=4_000, tool_s=1.0)
+    return view(
+        ["mixed"] * 8,
+        5.0,
+        shape=first,
+        n=n,
+        profile=profile,
+        recent_requests=n,
+        recent_mean_isl_tokens=4_000.0,
+        recent_mean_cached_tokens=0.0,
+        recent_mean_osl_tokens=0.0,
+        decode_tokens_per_s=0.0,
+        prefill_queue_len=n // 2,
+        prefill_queue_tokens=n // 2 * 4_000,
+    )
+
+
+def test_a_colocated_start_that_every_guess_condemns_is_left_before_the_sample_stands() -> None:
+    """512 trajectories on 8 DP-attention engines: whatever the turn, colocation's mixed steps stall every rank's
+    decode. On the first window (no answer yet) the turn sample cannot stand, but the window's turn and a default
+    turn both put a split far ahead of colocation, beyond margin and the prior model error: the policy leaves.
+    With `escape=0` it waits for the sample."""
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    plan = policy.decide(first_prompts(512))
+    assert plan is not None and "a default turn agrees" in plan.reason
+    target = policy._escaping
+    assert target is not None and target.mixed == 0 and target.prefill >= 2 and target.decode >= 2
+    assert make_policy("prorsa:escape=0", 8, profile="deepseek-v3.2").decide(first_prompts(512)) is None
+
+
+def test_no_escape_where_a_default_turn_does_not_condemn_colocation() -> None:
+    """qwen3-235b has no DP attention: at 16 trajectories an engine the default turn does not put a split
+    beyond the prior error, so a start is not left on the first window's guess."""
+    policy = make_policy("prorsa", 8, profile="qwen3-235b")
+    assert policy.decide(first_prompts(128, "qwen3-235b")) is None
+
+
 def test_prorsa_keeps_colocation_for_decode_heavy_work() -> None:
     policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
     for k in range(1, 8):
