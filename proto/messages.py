@@ -143,6 +143,13 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # True: the client wrote this turn's segment (its prefix reference and the ids after it) to the context log at
     # `ns.ctx.<traj_id>.<turn>` before publishing, so a later turn may refer to it and any engine can rebuild it.
     context_logged: bool = False
+    # The staleness bound: the oldest policy version whose weights may serve this turn. An engine serving older
+    # weights never runs it (it leaves it to an engine that serves a version this new, or to itself once updated);
+    # one that knows of no version this new answers it with an error (proto/README.md, "Policy versions").
+    min_policy_version: Counter = 0
+    # Migration: the oldest policy version among `resume_token_ids` (they were streamed with their versions; an
+    # engine needs only the oldest, to tell whether `abort_older_than` covers this turn). 0 without resume tokens.
+    resume_min_version: Counter = 0
 
 
 class DecodeHandoff(Message, frozen=True, kw_only=True):
@@ -157,6 +164,10 @@ class DecodeHandoff(Message, frozen=True, kw_only=True):
     prefill_new_tokens: NonNegInt = 0
     prefill_cached_tokens: NonNegInt = 0
     handed_off_s: float = 0.0
+    # The policy version whose weights computed this KV and sampled `first_token_id`. A decode engine serving other
+    # weights never continues from it: it recomputes the turn from its prompt under its own weights (the rule in
+    # proto/README.md, "Policy versions").
+    policy_version: Counter = 0
 
 
 WORK_MESSAGES = (GenerateRequest, DecodeHandoff)
@@ -238,6 +249,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     output_tokens: NonNegInt = 0
     ttft_s: NonNegFloat = 0.0
     e2e_s: NonNegFloat = 0.0
+    # On every chunk: the policy version whose weights sampled this chunk's tokens (a chunk never spans two
+    # versions: an engine that updates in flight splits it). On a final chunk without tokens: the version the
+    # engine serves. Senders before issue 31 set it on the final chunk only.
     policy_version: Counter = 0
     prefill_engine: str = ""  # final chunk: the engine that holds this prompt's prefix (next turn's affinity)
     error: str = (
@@ -353,14 +367,81 @@ class AllocationPlan(Message, frozen=True, kw_only=True):
     forecast_ts_s: float = 0.0
 
 
+UpdateMode = Literal["drain", "inflight"]
+
+
 class PolicyVersionUpdate(Message, frozen=True, kw_only=True):
-    """New weights: engines pick them up between requests and report the version they serve."""
+    """New weights: every engine loads them and reports the version it serves (`weights_status`).
+
+    The durable copy is the value of key `current` in the KV bucket `<NS>_POLICY` (`Subjects.policy_bucket`): an
+    engine reads it before it pulls any work and watches it after, so one that starts or restarts serves the current
+    version. Published on `ns.policy.version` alone it reaches only the engines running now."""
 
     version: Counter
     ts_s: float
     # Real engines: where the new weights are ("" = reload from the model path); an engine takes only a path
     # under its configured weights root (`--weights-root`).
     weights_path: Annotated[str, Meta(max_length=4096)] = ""
+    # "drain" (synchronous RL): stop pulling, let held turns finish (at most `drain_timeout_s`), load, resume.
+    # "inflight" (asynchronous RL, AReaL/PipelineRL): load between two engine steps; running turns go on under the
+    # new weights, their tokens stamped with the version that sampled each (`TokenChunk.policy_version`).
+    mode: UpdateMode = "drain"
+    # Drain mode: scaled seconds held turns get to finish; past it the engine updates in flight (versions stamped).
+    drain_timeout_s: NonNegFloat = 300.0
+    # Tensors instead of a checkpoint (vLLM's weight-transfer API, e.g. NCCL from the trainer's ranks): the
+    # backend-specific update info (`names`, `dtype_names`, `shapes` for "nccl"). None: load `weights_path`.
+    transfer: dict[str, Any] | None = None
+
+
+WeightsState = Literal["starting", "serving", "draining", "loading", "failed"]
+
+
+class WeightsStatus(Message, frozen=True, kw_only=True):
+    """What weights an engine serves: published on `ns.policy.status.<engine_id>` at every change and every stats
+    interval; the weights barrier (`RolloutClient.update_weights`) waits until every live engine reports the version."""
+
+    engine_id: Id
+    ts_s: float
+    policy_version: Counter  # the version whose weights serve its turns now
+    target_version: Counter = (
+        0  # the newest version it knows of (the durable current one): it is loading it if higher
+    )
+    state: WeightsState = (
+        "serving"  # "starting": not serving yet (reads the current version before it pulls work)
+    )
+    paused: bool = False  # generation paused by the trainer (`GenerationControl`)
+    error: str = (
+        ""  # state "failed": why `target_version` could not be loaded (it serves `policy_version` meanwhile)
+    )
+    load_s: NonNegFloat = 0.0  # how long the last load took (scaled seconds)
+
+
+class GenerationControl(Message, frozen=True, kw_only=True):
+    """Pause or resume all generation: the value of key `paused` in the KV bucket `<NS>_POLICY`. A paused engine
+    pulls no work and freezes its running turns between two steps (nothing is lost: queued work waits in the
+    queue, frozen turns resume where they stopped); an engine that starts while paused starts paused."""
+
+    paused: bool
+    ts_s: float
+    reason: str = ""
+
+
+class AbortOlderThan(Message, frozen=True, kw_only=True):
+    """Abort every live turn that holds tokens (or runs on weights) of a policy version below `older_than`: a request
+    on `ns.abort`; every engine answers with an `AbortOlderThanAck` naming the turns it aborted, each of which ends
+    as an `AbortRequest`ed turn does (its partial output, with per-token versions, and finish_reason "abort"). An
+    engine also remembers the bound: a migrated turn holding such tokens that it pulls later is answered the same."""
+
+    older_than: Counter
+    ts_s: float = 0.0
+    reason: str = ""
+
+
+class AbortOlderThanAck(Message, frozen=True, kw_only=True):
+    engine_id: Id
+    older_than: Counter
+    request_ids: list[str] = []  # the turns this engine aborted
+    ts_s: float = 0.0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -459,6 +540,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     RoleSwitchAck,
     AllocationPlan,
     PolicyVersionUpdate,
+    WeightsStatus,
+    GenerationControl,
+    AbortOlderThan,
+    AbortOlderThanAck,
     LifecycleSnapshot,
     DemandForecast,
     HealthRequest,
@@ -482,4 +567,6 @@ __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "HorizonForecast",
     "Role",
     "TrajectoryState",
+    "UpdateMode",
+    "WeightsState",
 ]
