@@ -185,13 +185,15 @@ def render() -> str:
         "gives the turn back to the queue (redelivered after a short delay, to an engine that serves it or to itself "
         "once updated); when none does, it fails the turn at once (final chunk with `error`, kind "
         "`version_unavailable`).",
-        "- **Handoffs across versions.** A `decode_handoff` names in `policy_version` the weights that computed its KV "
-        "and sampled its first token. A decode engine serving that version continues it; one serving any other "
-        "version never reads that KV: it recomputes the turn from its prompt (and resume tokens) under its own "
-        "weights and samples from the first output position, so the prefill engine's first token, never streamed, "
-        "is dropped and every token of the turn carries the decode engine's version. A prefill during which its "
-        "engine updated in flight is not handed off (its KV would mix two weights): it is prefilled again. A "
-        "recompute costs one prefill; continuing would give tokens that no single policy produced.",
+        "- **Handoffs across versions (the rule).** A `decode_handoff` names in `policy_version` the weights that "
+        "computed its KV and sampled its first token, and only an engine serving exactly that version continues it. "
+        "A decode engine on newer weights never reads that KV: it recomputes the turn — the `generate_request` goes "
+        "back to `ns.work.prefill.any` with `min_policy_version` raised to the decode engine's version, so it is "
+        "prefilled again under weights at least that new (the KV and the first token, never streamed, are dropped; "
+        "every token of the turn then carries one version). A decode engine on older weights gives the handoff back "
+        "to the queue (it is loading the newer ones; another engine on them may take it). A prefill during which "
+        "its engine updated in flight is not handed off at all (its KV would mix two weights): it is prefilled "
+        "again. A recompute costs one prefill; continuing would give tokens that no single policy produced.",
         "- **Pause and resume.** `paused: true` under key `paused`: every engine stops pulling and freezes its "
         "running turns between two steps; `false` resumes them where they stopped. Nothing is lost: queued work "
         "waits in the queue.",

@@ -164,9 +164,9 @@ class DecodeHandoff(Message, frozen=True, kw_only=True):
     prefill_new_tokens: NonNegInt = 0
     prefill_cached_tokens: NonNegInt = 0
     handed_off_s: float = 0.0
-    # The policy version whose weights computed this KV and sampled `first_token_id`. A decode engine serving other
-    # weights never continues from it: it recomputes the turn from its prompt under its own weights (the rule in
-    # proto/README.md, "Policy versions").
+    # The policy version whose weights computed this KV and sampled `first_token_id`. Only a decode engine serving
+    # exactly that version continues from it; one on newer weights has the turn prefilled again under them, one on
+    # older weights gives it back (the rule in proto/README.md, "Policy versions").
     policy_version: Counter = 0
 
 

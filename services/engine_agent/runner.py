@@ -10,10 +10,12 @@ Rules that keep every request exactly once for the client:
   published, so a migration resumes exactly after the last chunk the client can have received.
 - Policy versions (proto/README.md, "Policy versions"): every chunk names the version that sampled its tokens
   (the backend's stamp; a chunk never spans two). A turn below its `min_policy_version` never runs here: it goes
-  back to the queue while that version is loading, or fails when no such version exists. A decode handoff
-  prefilled under other weights than this engine's is recomputed here from its prompt (its KV and first token are
-  dropped); a prefill during which the weights changed is not handed off but requeued. A turn holding tokens older
-  than an `AbortOlderThan` bound is aborted, now or when pulled later.
+  back to the queue while that version is loading, or fails when no such version exists. A decode handoff is
+  continued only by an engine on the weights that prefilled it: one on newer weights recomputes it (requeued for
+  prefill with `min_policy_version` raised to its version; the KV and the unstreamed first token are dropped), one
+  on older weights gives it back (it is loading the newer ones). A prefill during which the weights changed is not
+  handed off but requeued. A turn holding tokens older than an `AbortOlderThan` bound is aborted, now or when
+  pulled later.
 - Handing on: a job that streamed nothing is requeued unchanged (a handoff to the decode queue, a request to the
   prefill queue); one that streamed tokens migrates as a GenerateRequest on `work.prefill.any` with
   `resume_token_ids` = everything streamed so far and `next_chunk_index` = the next index.
@@ -159,7 +161,7 @@ class JobRunner:
                     bool(request.resume_token_ids)
                     and holds_older(request.resume_min_version, self.io.weights.state.abort_below)
                 )
-                if not aborted and not await self._version_gate(request, msg):
+                if not aborted and not await self._version_gate(work, msg):
                     return
                 job = self._new_job(work, request, msg, seq)
                 if aborted:  # aborted while it waited in the queue: answered, never run
@@ -167,9 +169,13 @@ class JobRunner:
                 self.jobs[request.request_id] = job
                 job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
 
-    async def _version_gate(self, request: GenerateRequest, msg: Any) -> bool:
+    async def _version_gate(self, work: GenerateRequest | DecodeHandoff, msg: Any) -> bool:
         """Whether the turn may run on this engine's weights now; if not, it was given back or failed."""
+        request = work.request if isinstance(work, DecodeHandoff) else work
         decision = await self.io.weights.admit(request)
+        newer = isinstance(work, DecodeHandoff) and work.policy_version > self.io.backend.policy_version
+        if decision == "run" and newer:
+            decision = "later"  # prefilled under newer weights than ours: we are loading them
         if decision == "run":
             return True
         if decision == "later":
@@ -392,18 +398,22 @@ class JobRunner:
     async def _run_decode(self, job: Job) -> None:
         h = job.handoff
         assert h is not None
-        if h.policy_version != self.io.backend.policy_version:
-            # Prefilled under other weights: never continue from that KV (proto/README.md, "Policy versions").
-            # Recompute here from the prompt under this engine's weights; the unstreamed first token is dropped.
+        version = self.io.backend.policy_version
+        if h.policy_version != version:  # older weights (newer ones were given back at admission)
+            # Never continue from KV of other weights (proto/README.md, "Policy versions"): prefill it again under
+            # weights at least as new as ours; the unstreamed first token and the KV are dropped.
             self.version_recomputes += 1
             self.io.log.info(
                 "handoff_recomputed",
                 request_id=job.request_id,
                 handoff_version=h.policy_version,
-                version=self.io.backend.policy_version,
+                version=version,
             )
-            job.phase = "prefill"
-            await self._stream(job, self.io.backend.generate(job.backend_request))
+            req = job.request
+            again = msgspec.structs.replace(req, min_policy_version=max(req.min_policy_version, version))
+            msg_id = f"{req.request_id}#{req.attempt}:v{version}:{job.stream_seq}"
+            await self.io.js_publish(self.io.subjects.prefill_work_any, again, msg_id=msg_id)
+            await self._complete(job, "requeued")
             return
         job.cached_tokens = h.prefill_cached_tokens
         if h.first_token_id is None:  # nothing sampled, nothing to resume from: prefill it again
