@@ -169,6 +169,7 @@ class WeightsControl:
                 self.agent.metrics.count_error(d.refusal.kind)
                 self.agent.bad_input += 1
                 self.agent.log.warning("weights_update_refused", kind=d.refusal.kind, error=d.refusal.error)
+            await self.publish_status()
             return
         if d.kind == "load":
             self.agent.log.info("weights_update", version=update.version, mode=update.mode, revision=revision)

@@ -6,7 +6,7 @@ Rules (proto/README.md, "Policy versions"):
   `failed`. An update for a version not above the newest one known is old news, except a new KV revision of a
   version whose load failed: that is the trainer's retry (e.g. with the checkpoint fixed), so it is loaded again.
 - An update is refused (answered with an error, counted) when its version jumps too far or its weights path is not
-  under the engine's weights root (`weights_guard.py`).
+  under the engine's weights root (`weights_guard.py`); the status reports that version as failed, with the reason.
 - A turn names the oldest version that may serve it (`min_policy_version`): served ≥ it → run; else, when the
   newest version known is at least as new and not failed → later (the turn goes back to the queue, for an engine
   that serves it or for this one once loaded); else → unavailable (failed at once: no version that new exists).
@@ -37,6 +37,10 @@ class WeightsState:
     paused: bool = False  # the trainer paused generation (GenerationControl)
     load_s: float = 0.0  # the last load's duration, scaled seconds
     abort_below: int = 0  # newest AbortOlderThan bound
+    # The newest update refused (bad path, absurd jump) and why: reported as a failure of that version, so the
+    # trainer's barrier fails at once; never a target (an absurd version would hide every real one after it).
+    refused_version: int = 0
+    refused_error: str = ""
 
     @property
     def newest(self) -> int:
@@ -75,7 +79,8 @@ def on_update(
         return state, UpdateDecision("ignore")
     refusal = check_update(update, state.newest, max_version_jump, weights_root)
     if refusal is not None:
-        return state, UpdateDecision("refuse", refusal)
+        refused = replace(state, refused_version=update.version, refused_error=refusal.error[:500])
+        return refused, UpdateDecision("refuse", refusal)
     phase: Phase = "serving" if state.phase == "failed" else state.phase
     return replace(state, target=update, target_revision=revision, phase=phase, error=""), UpdateDecision(
         "load"
@@ -127,13 +132,15 @@ def holds_older(oldest_token_version: int | None, bound: int) -> bool:
 
 
 def status(state: WeightsState, engine_id: str, now_s: float) -> WeightsStatus:
+    """What the engine reports; a refused update newer than anything it knows is reported as that version failed."""
+    refused = state.refused_version > state.newest and state.phase != "starting"
     return WeightsStatus(
         engine_id=engine_id,
         ts_s=now_s,
         policy_version=state.served,
-        target_version=state.newest,
-        state=state.phase,
+        target_version=state.refused_version if refused else state.newest,
+        state="failed" if refused else state.phase,
         paused=state.paused,
-        error=state.error,
+        error=state.refused_error if refused else state.error,
         load_s=max(0.0, state.load_s),
     )
