@@ -302,3 +302,32 @@ async def test_abort_older_than_returns_partial_outputs_with_versions(nats_serve
     finally:
         await client.close()
         await e.stop()
+
+
+async def test_garbage_in_the_policy_bucket_is_refused_counted_and_answered(nats_server, nc) -> None:
+    """Bad input from a writer with the right to write (hostile bytes, a wrong schema, an out-of-range version)
+    never reaches the engine's weights: it is logged, counted and answered on `ns.errors`; a trainer then
+    overwrites it, and garbage on the status subject is counted by the client, never believed."""
+    e = agent(nats_server.url, "mix-g")
+    await e.start()
+    errors: list[proto.ErrorReply] = []
+
+    async def on_error(msg: Any) -> None:
+        errors.append(proto.decode_as(msg.data, proto.ErrorReply, msg.subject))
+
+    await nc.subscribe(S.errors, cb=on_error)
+    client = await RolloutClient.connect(nats_server.url)
+    try:
+        kv = await nc.jetstream().key_value(S.policy_bucket)
+        await kv.put("current", b'{"type":"policy_version_update","schema_version":2,"version":-3,"ts_s":0}')
+        await kv.put("paused", b"\xff\xfe not json")
+        await wait_until(lambda: len(errors) == 2)
+        assert sorted((x.kind, x.field) for x in errors) == [("decode", ""), ("decode", "version")]
+        assert e.policy_version == 0 and e.bad_input == 2 and not e.weights.state.paused
+        await nc.publish(S.policy_status("mix-g"), b'{"type":"weights_status","engine_id":"mix-g"}')
+        await wait_until(lambda: client.control.bad_messages == 1)
+        ack = await client.update_weights(1, timeout_s=10)  # the trainer overwrites the garbage
+        assert ack.engines == {"mix-g": 1}
+    finally:
+        await client.close()
+        await e.stop()
