@@ -43,6 +43,7 @@ ROUTES: dict[str, str] = {
     ),
     "WeightsStatus": "ns.policy.status.<engine_id> (core NATS), at every change and every stats interval",
     "GenerationControl": "the value of key `paused` in the KV bucket <NS>_POLICY",
+    "WeightTransferInit": "the value of key `transfer` in the KV bucket <NS>_POLICY",
     "AbortOlderThan": "ns.abort (core NATS request), published by the client; every engine replies",
     "AbortOlderThanAck": "reply to an AbortOlderThan",
     "LifecycleSnapshot": "ns.tracker.snapshot",
@@ -194,6 +195,12 @@ def render() -> str:
         "to the queue (it is loading the newer ones; another engine on them may take it). A prefill during which "
         "its engine updated in flight is not handed off at all (its KV would mix two weights): it is prefilled "
         "again. A recompute costs one prefill; continuing would give tokens that no single policy produced.",
+        "- **Tensors instead of checkpoints.** Key `transfer` (a `weight_transfer_init`) makes every engine join the "
+        "trainer's group of vLLM's weight-transfer API (`weight_transfer_config` engine argument, e.g. NCCL) while "
+        "the trainer opens its end; each reports `transfer_ready`. An update whose `transfer` holds `update_info` "
+        "(NCCL: `names`, `dtype_names`, `shapes`) then receives the tensors the trainer broadcasts meanwhile, "
+        "between two engine steps as a checkpoint load does (`prorsa.client.weight_sync` drives it from vLLM's own "
+        "trainer-side engines).",
         "- **Pause and resume.** `paused: true` under key `paused`: every engine stops pulling and freezes its "
         "running turns between two steps; `false` resumes them where they stopped. Nothing is lost: queued work "
         "waits in the queue.",

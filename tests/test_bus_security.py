@@ -96,6 +96,7 @@ PUBLISH: dict[str, tuple[str, ...]] = {
     # only read and watch them; nobody else touches it, nobody purges it or writes another key.
     "$KV.PRORSA_POLICY.current": ("trainer", "operator"),
     "$KV.PRORSA_POLICY.paused": ("trainer", "operator"),
+    "$KV.PRORSA_POLICY.transfer": ("trainer", "operator"),
     "$KV.PRORSA_POLICY.other": NOBODY,
     "$JS.API.DIRECT.GET.KV_PRORSA_POLICY.$KV.PRORSA_POLICY.current": ("trainer", *ENGINES, "operator"),
     "$JS.API.STREAM.INFO.KV_PRORSA_POLICY": EVERYONE,

@@ -143,3 +143,15 @@ class WeightsView:
         live = self.live(now)
         lagging = [e for e in live if (st := self.status.get(e)) is None or st.paused != paused]
         return Verdict("waiting" if lagging else "done", lagging, {}, {e: self.served(e) for e in live})
+
+    def transfer_barrier(self, now: float, since_ts_s: float) -> Verdict:
+        """Whether every live engine joined the weight-transfer group (a status stamped at or after `since_ts_s`
+        says so); one that reports an error for it fails the wait."""
+        live = self.live(now)
+        fresh = {e: st for e in live if (st := self.status.get(e)) is not None and st.ts_s >= since_ts_s}
+        lagging = [e for e in live if e not in fresh or not fresh[e].transfer_ready]
+        failed = {e: st.transfer_error for e, st in fresh.items() if st.transfer_error}
+        state: Literal["done", "waiting", "failed"] = (
+            "failed" if failed else ("waiting" if lagging else "done")
+        )
+        return Verdict(state, lagging, failed, {e: self.served(e) for e in live})

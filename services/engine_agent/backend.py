@@ -175,9 +175,14 @@ class Backend(Protocol):
         """Serve the weights at `weights_path` ("" = reload from the model path) as `version` from the next engine
         step on; running requests go on under them. Raises BackendError on failure (the old weights stay)."""
 
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer group (NCCL: a rendezvous the trainer joins at the same time). Raises
+        BackendError where the engine cannot (no `weight_transfer_config`, a failed rendezvous)."""
+
     async def receive_weights(self, version: int, transfer: dict[str, Any]) -> None:
         """As `reload_weights`, with the weights sent as tensors through the engine's weight-transfer API
-        (`transfer`: its update info). Raises BackendError where the engine cannot (no transfer engine set up)."""
+        (`transfer["update_info"]`: the backend's update info). Raises BackendError where the engine cannot (it has
+        not joined the group)."""
 
     async def pause_generation(self, reason: str) -> None:
         """Freeze every request between two engine steps (and admit none) until `resume_generation(reason)` lifts

@@ -8,6 +8,8 @@
   pulling and waits for held turns (at most the update's `drain_timeout_s`, scaled seconds), "inflight" does not;
   both load between two engine steps (`Backend.reload_weights` / `receive_weights`), with running turns frozen.
 - Pause: the bucket's `paused` key; the puller stops and the backend freezes its running turns.
+- Tensors: the bucket's `transfer` key (`WeightTransferInit`): join the trainer's weight-transfer group (in its own
+  task: NCCL's rendezvous waits for the trainer), then updates with `transfer` receive tensors instead.
 - Status: a `WeightsStatus` at every change and every stats interval on `ns.policy.status.<engine_id>`.
 - Abort by version: `abort_older_than` aborts the turns older than the bound and answers with their ids.
 
@@ -28,6 +30,7 @@ import proto
 from proto import (
     POLICY_KEY_CURRENT,
     POLICY_KEY_PAUSED,
+    POLICY_KEY_TRANSFER,
     AbortOlderThan,
     AbortOlderThanAck,
     GenerateRequest,
@@ -35,6 +38,7 @@ from proto import (
     Message,
     PolicyVersionUpdate,
     ProtoError,
+    WeightTransferInit,
 )
 from services.engine_agent import weights_core as core
 from services.engine_agent.backend import BackendError
@@ -65,6 +69,7 @@ class WeightsControl:
         self._task: asyncio.Task[Any] | None = None
         self.loads = 0
         self.refused = 0
+        self._transfer_revision = 0  # the `transfer` entry joined (or being joined)
 
     # -- start-up ------------------------------------------------------------------------------------------------
 
@@ -93,7 +98,7 @@ class WeightsControl:
         self._task = agent.spawn(self._apply_loop(), name="weights")
 
     async def _read_bucket(self) -> None:
-        for key in (POLICY_KEY_PAUSED, POLICY_KEY_CURRENT):
+        for key in (POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER, POLICY_KEY_CURRENT):
             try:
                 entry = await self._kv.get(key)
             except KeyNotFoundError:
@@ -129,6 +134,10 @@ class WeightsControl:
                 await self.on_update(proto.decode_as(value, PolicyVersionUpdate, subject), revision, None)
             elif key == POLICY_KEY_PAUSED:
                 await self.set_paused(proto.decode_as(value, GenerationControl, subject))
+            elif key == POLICY_KEY_TRANSFER and revision != self._transfer_revision:
+                self._transfer_revision = revision
+                init = proto.decode_as(value, WeightTransferInit, subject)
+                self.agent.spawn(self._join_transfer(init), name="weights_transfer_init")
         except (
             ProtoError
         ) as exc:  # a writer with the right to write put garbage there: counted, never applied
@@ -222,6 +231,31 @@ class WeightsControl:
         finally:
             if drain:
                 agent.puller.resume("weights")
+        await self.publish_status()
+
+    async def _join_transfer(self, init: WeightTransferInit) -> None:
+        """Join the trainer's weight-transfer group; the outcome goes into the status."""
+        agent = self.agent
+        info = dict(init.init_info)
+        if init.rank_offsets:
+            offset = init.rank_offsets.get(agent.engine_id)
+            if offset is None:
+                self.state = replace(
+                    self.state, transfer_ready=False, transfer_error="no rank offset for this engine"
+                )
+                await self.publish_status()
+                return
+            info["rank_offset"] = offset
+        self.state = replace(self.state, transfer_ready=False, transfer_error="")
+        try:
+            await agent.backend.init_weight_transfer(info)
+        except BackendError as exc:
+            agent.metrics.count_error("weights_transfer")
+            agent.log.error("weights_transfer_join_failed", error=repr(exc))
+            self.state = replace(self.state, transfer_error=str(exc)[:500])
+        else:
+            agent.log.info("weights_transfer_joined", rank_offset=info.get("rank_offset"))
+            self.state = replace(self.state, transfer_ready=True)
         await self.publish_status()
 
     # -- pause ---------------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class WeightsState:
     # trainer's barrier fails at once; never a target (an absurd version would hide every real one after it).
     refused_version: int = 0
     refused_error: str = ""
+    transfer_ready: bool = False  # joined the trainer's weight-transfer group (WeightTransferInit)
+    transfer_error: str = ""
 
     @property
     def newest(self) -> int:
@@ -143,4 +145,6 @@ def status(state: WeightsState, engine_id: str, now_s: float) -> WeightsStatus:
         paused=state.paused,
         error=state.refused_error if refused else state.error,
         load_s=max(0.0, state.load_s),
+        transfer_ready=state.transfer_ready,
+        transfer_error=state.transfer_error,
     )

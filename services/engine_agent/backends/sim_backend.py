@@ -315,6 +315,9 @@ class SimBackend:
     async def reload_weights(self, version: int, weights_path: str) -> None:
         await self._swap_weights(version)
 
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Nothing to join: a simulated engine receives tensors as it reloads checkpoints (priced the same)."""
+
     async def receive_weights(self, version: int, transfer: dict) -> None:
         await self._swap_weights(version)  # priced as a reload: the profile has one figure for both
 

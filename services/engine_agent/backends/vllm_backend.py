@@ -385,6 +385,9 @@ class VllmBackend:
             await self.resume_generation("weights")
         self._contexts.clear()  # the prefix cache was dropped with the old weights
 
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        await self.engine.init_weight_transfer(init_info)
+
     async def receive_weights(self, version: int, transfer: dict[str, Any]) -> None:
         await self.pause_generation("weights")
         try:

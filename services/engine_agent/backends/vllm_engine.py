@@ -262,6 +262,7 @@ class VllmEngine:
     async def stop(self) -> None:
         """Shut the engine down (its child process and NIXL side channel go with it). Idempotent."""
         llm, self._llm = self._llm, None
+        self._transfer_ready = False  # the group went with the engine
         if llm is None:
             return
         # Stop the output handler first: left running, it sees the engine process die and logs it as a failure.
@@ -454,21 +455,28 @@ class VllmEngine:
                 f"failed: {exc!r}"
             ) from exc
 
-    async def receive_weights(self, transfer: dict[str, Any], version: int) -> None:
-        """On a paused engine: tensors through vLLM's weight-transfer API (`vllm_weights`). `transfer`:
-        `update_info` (the backend's, e.g. names/dtype_names/shapes for "nccl") and, the first time, `init_info` —
-        one for every engine, or `rank_offsets` (engine id → its NCCL rank offset) beside the shared fields.
-        Raises BackendError when the engine was not started with a `weight_transfer_config` or the transfer fails."""
-        llm = self._engine()
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer group (`vllm_weights.init_transfer`; the engine must have been started
+        with a `weight_transfer_config`, e.g. `{"backend": "nccl"}`). Blocks until the trainer joins too (NCCL's
+        rendezvous). Raises BackendError on failure."""
         try:
-            if not self._transfer_ready:
-                init = dict(transfer.get("init_info") or {})
-                offsets = init.pop("rank_offsets", None)
-                if isinstance(offsets, dict):
-                    init["rank_offset"] = offsets.get(self.config.engine_id)
-                await vllm_weights.init_transfer(llm, init)
-                self._transfer_ready = True
-            await vllm_weights.receive(llm, transfer.get("update_info") or {}, version)
+            await vllm_weights.init_transfer(self._engine(), init_info)
+        except (*_vllm_errors(), TypeError, KeyError) as exc:
+            raise BackendError(
+                f"engine {self.config.engine_id}: joining the weight transfer failed: {exc!r}"
+            ) from exc
+        self._transfer_ready = True
+
+    async def receive_weights(self, transfer: dict[str, Any], version: int) -> None:
+        """On a paused engine: tensors through vLLM's weight-transfer API (`vllm_weights.receive`), `transfer`'s
+        `update_info` (the backend's: names/dtype_names/shapes for "nccl"). Raises BackendError when the engine has
+        not joined the trainer's group (`init_weight_transfer`) or the transfer fails."""
+        if not self._transfer_ready:
+            raise BackendError(
+                f"engine {self.config.engine_id} has not joined a weight-transfer group (WeightTransferInit first)"
+            )
+        try:
+            await vllm_weights.receive(self._engine(), transfer.get("update_info") or {}, version)
         except (*_vllm_errors(), TypeError, KeyError) as exc:
             raise BackendError(f"engine {self.config.engine_id}: weight transfer failed: {exc!r}") from exc
 
