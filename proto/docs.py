@@ -166,7 +166,8 @@ def render() -> str:
         "(`PRORSA_POLICY` by default; its stream is `KV_<NS>_POLICY`) holds a `policy_version_update` (`version`, "
         "`weights_path`, `mode`, `drain_timeout_s`), key `paused` a `generation_control`. A trainer writes a key with "
         "a JetStream publish on `$KV.<NS>_POLICY.<key>` (the SDK adds `Nats-Expected-Last-Subject-Sequence`, so of "
-        "two trainers writing at once one is refused, and refuses a version below the current one). Every engine "
+        "two trainers writing at once one is refused, and refuses a version below the current one; writing the current "
+        "version again retries it on the engines whose load of it failed). Every engine "
         "reads both keys before it pulls any work and watches the bucket after: one that starts or restarts loads the "
         "current version first. A `policy_version_update` published on `ns.policy.version` reaches only the "
         "engines running now (a restarted one comes back on the bucket's version).",

@@ -257,13 +257,18 @@ async def test_pause_freezes_running_turns_and_queued_work_waits_nothing_lost(na
         second = asyncio.create_task(
             queued.generate(PROMPT, SamplingParams(max_tokens=50), on_tokens=queued_tokens.extend)
         )
+        late = agent(nats_server.url, "mix-late", speedup=1.0)  # an engine that starts while paused ...
+        await late.start()
+        assert late.weights.state.paused and late.puller.paused  # ... starts paused
         await asyncio.sleep(1.0)
         assert len(streamed) == frozen and not queued_tokens and not first.done()
-        assert await client.resume("test") == ["mix-p"]
+        assert not late.runner.jobs
+        assert await client.resume("test") == ["mix-late", "mix-p"]
         a, b = await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert a.token_ids == expected_ids("paused-running:0", 200)
         assert b.token_ids == expected_ids("paused-queued:0", 50)
         await wait_work_queue_empty(nc)
+        await late.stop()
     finally:
         await client.close()
         await e.stop()

@@ -208,6 +208,7 @@ class EngineAgent(Service):
         try:
             if self._serving and not self._handed_off and self.nc is not None and self.nc.is_connected:
                 self._handed_off = True
+                await self.weights.release()  # a paused engine must run again to hand its frozen turns on
                 moved = await hand_off_all(self, self.config.stop_timeout_s)
                 self.log.info("work_handed_off_at_stop", requests=moved)
         except (BackendError, *BUS_ERRORS) as exc:  # what was not handed on is redelivered after ack_wait

@@ -274,6 +274,12 @@ class WeightsControl:
         agent.log.info("generation_paused" if control.paused else "generation_resumed", reason=control.reason)
         await self.publish_status()
 
+    async def release(self) -> None:
+        """At stop: lift the trainer's pause on the backend, so the turns it froze can be stopped and handed on
+        (they wait in the queue for the cluster's resume like any other)."""
+        if self.state.paused:
+            await self.agent.backend.resume_generation("trainer")
+
     # -- turns ---------------------------------------------------------------------------------------------------
 
     async def admit(self, request: GenerateRequest) -> core.Admission:
