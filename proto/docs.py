@@ -176,7 +176,8 @@ def render() -> str:
         "affinity) reports `policy_version` ≥ N; one that starts reports `state: starting` until it serves. An "
         "engine that cannot load N reports `state: failed` with the `error` and goes on serving its old version.",
         "- **Modes.** `drain` (synchronous RL): the engine stops pulling, lets its held turns finish (at most "
-        "`drain_timeout_s`, then it updates in flight), loads, resumes. `inflight` (asynchronous RL, as AReaL and "
+        "`drain_timeout_s`, then it updates in flight; at once while generation is paused, as its turns are "
+        "frozen), loads, resumes. `inflight` (asynchronous RL, as AReaL and "
         "PipelineRL): it loads between two engine steps; a running turn goes on under the new weights, keeping the "
         "KV of its context.",
         "- **Per-token versions.** Every `token_chunk` carries in `policy_version` the version whose weights sampled "

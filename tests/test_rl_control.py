@@ -263,8 +263,12 @@ async def test_pause_freezes_running_turns_and_queued_work_waits_nothing_lost(na
         await asyncio.sleep(1.0)
         assert len(streamed) == frozen and not queued_tokens and not first.done()
         assert not late.runner.jobs
+        # Pause, update, resume (AReaL's pattern): a drain-mode update does not wait for the frozen turn.
+        ack = await client.update_weights(1, timeout_s=10)
+        assert ack.engines == {"mix-late": 1, "mix-p": 1} and not first.done()
         assert await client.resume("test") == ["mix-late", "mix-p"]
         a, b = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert a.token_versions[0] == 0 and a.token_versions[-1] == 1 and set(b.token_versions) == {1}
         assert a.token_ids == expected_ids("paused-running:0", 200)
         assert b.token_ids == expected_ids("paused-queued:0", 50)
         await wait_work_queue_empty(nc)

@@ -192,7 +192,9 @@ class WeightsControl:
             while self.state.wants_load:
                 update = self.state.target
                 assert update is not None
-                await self._load(update, drain=update.mode == "drain")
+                # Paused by the trainer (pause, update, resume: AReaL's pattern), held turns are frozen and would
+                # never drain: load at once; they go on under the new weights after the resume, tokens stamped.
+                await self._load(update, drain=update.mode == "drain" and not self.state.paused)
 
     async def _load(self, update: PolicyVersionUpdate, drain: bool) -> None:
         """Drain (optionally), then load `update` between two engine steps; the outcome goes into the state."""
