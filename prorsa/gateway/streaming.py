@@ -76,7 +76,7 @@ async def chat_events(
         delta: dict[str, Any] = {}
         if not hold_text and (new := _new_text(ids, sent, decode)):
             delta["content"], sent = new, sent + new
-        out = frame(delta, {"token_ids": list(chunk.token_ids)})
+        out = frame(delta, _ids(chunk))
         if logprobs:
             out["choices"][0]["logprobs"] = shapes.chat_logprobs(
                 chunk.token_ids, chunk.logprobs, decode, chunk.top_logprobs
@@ -124,7 +124,7 @@ async def completion_events(
         ids += chunk.token_ids
         new = "" if hold_text else _new_text(ids, sent, decode)
         sent += new
-        out = frame(new, {"token_ids": list(chunk.token_ids)})
+        out = frame(new, _ids(chunk))
         if logprobs:
             out["choices"][0]["logprobs"] = shapes.completion_logprobs(
                 chunk.token_ids, chunk.logprobs, decode, chunk.top_logprobs
@@ -144,11 +144,13 @@ async def generate_events(
     """SGLang's streamed `/generate` (see the module doc): `data: {text, output_ids, meta_info}` per engine chunk,
     cumulative, then the whole answer, then `data: [DONE]`."""
     ids: list[int] = []
+    versions: list[int] = []
     lps: list[float] = []
     tops: list[list[tuple[int, float]]] = []
     text = ""
     async for chunk in drain(queue, task):
         ids += chunk.token_ids
+        versions += [chunk.policy_version] * len(chunk.token_ids)
         lps += chunk.logprobs or []
         tops += chunk.top_logprobs or []
         if not hold_text and decode is not None and not (decoded := decode(ids)).endswith("\ufffd"):
@@ -157,6 +159,7 @@ async def generate_events(
             "id": chunk.request_id,
             "finish_reason": None,
             "completion_tokens": len(ids),
+            "output_token_versions": list(versions),
         }
         if logprobs and len(lps) == len(ids):
             meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(lps, ids, strict=True)]
@@ -166,3 +169,11 @@ async def generate_events(
     turn = (await task)[0]
     yield shapes.sse(shapes.generate_response(turn, logprobs))
     yield shapes.sse("[DONE]")
+
+
+def _ids(chunk: Any) -> dict:
+    """A streamed chunk's ids and the policy version of each (a chunk never spans two versions)."""
+    return {
+        "token_ids": list(chunk.token_ids),
+        "token_versions": [chunk.policy_version] * len(chunk.token_ids),
+    }

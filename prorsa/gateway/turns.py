@@ -76,6 +76,8 @@ class Turn:
     ttft_s: float
     # Per output token, its k most likely (token id, logprob), the most likely first (sampling.top_logprobs = k)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The policy version that sampled each output id (aligned with output_ids).
+    token_versions: tuple[int, ...] = ()
 
 
 @dataclass
@@ -251,6 +253,7 @@ class Gateway:
             result.policy_version,
             result.ttft_s,
             top,
+            tuple(result.token_versions[: len(ids)]),
         )
 
     def _stop_watch(

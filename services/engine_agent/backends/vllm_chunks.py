@@ -28,6 +28,9 @@ class EngineChunk:
     # Per new token, the k most likely (token id, logprob) by vLLM's rank, the most likely first (k: the request's
     # top_logprobs); None when k is 0.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The policy version that sampled each token (vLLM's weight-version labels, `vllm_weights.token_versions`);
+    # None where vLLM has no label of ours.
+    token_versions: list[int] | None = None
 
 
 def _plain(value: Any) -> Any:
