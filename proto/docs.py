@@ -43,6 +43,7 @@ ROUTES: dict[str, str] = {
     ),
     "WeightsStatus": "ns.policy.status.<engine_id> (core NATS), at every change and every stats interval",
     "GenerationControl": "the value of key `paused` in the KV bucket <NS>_POLICY",
+    "WeightTransferInit": "the value of key `transfer` in the KV bucket <NS>_POLICY",
     "AbortOlderThan": "ns.abort (core NATS request), published by the client; every engine replies",
     "AbortOlderThanAck": "reply to an AbortOlderThan",
     "LifecycleSnapshot": "ns.tracker.snapshot",
@@ -165,7 +166,8 @@ def render() -> str:
         "(`PRORSA_POLICY` by default; its stream is `KV_<NS>_POLICY`) holds a `policy_version_update` (`version`, "
         "`weights_path`, `mode`, `drain_timeout_s`), key `paused` a `generation_control`. A trainer writes a key with "
         "a JetStream publish on `$KV.<NS>_POLICY.<key>` (the SDK adds `Nats-Expected-Last-Subject-Sequence`, so of "
-        "two trainers writing at once one is refused, and refuses a version below the current one). Every engine "
+        "two trainers writing at once one is refused, and refuses a version below the current one; writing the current "
+        "version again retries it on the engines whose load of it failed). Every engine "
         "reads both keys before it pulls any work and watches the bucket after: one that starts or restarts loads the "
         "current version first. A `policy_version_update` published on `ns.policy.version` reaches only the "
         "engines running now (a restarted one comes back on the bucket's version).",
@@ -174,7 +176,8 @@ def render() -> str:
         "affinity) reports `policy_version` ≥ N; one that starts reports `state: starting` until it serves. An "
         "engine that cannot load N reports `state: failed` with the `error` and goes on serving its old version.",
         "- **Modes.** `drain` (synchronous RL): the engine stops pulling, lets its held turns finish (at most "
-        "`drain_timeout_s`, then it updates in flight), loads, resumes. `inflight` (asynchronous RL, as AReaL and "
+        "`drain_timeout_s`, then it updates in flight; at once while generation is paused, as its turns are "
+        "frozen), loads, resumes. `inflight` (asynchronous RL, as AReaL and "
         "PipelineRL): it loads between two engine steps; a running turn goes on under the new weights, keeping the "
         "KV of its context.",
         "- **Per-token versions.** Every `token_chunk` carries in `policy_version` the version whose weights sampled "
@@ -185,13 +188,21 @@ def render() -> str:
         "gives the turn back to the queue (redelivered after a short delay, to an engine that serves it or to itself "
         "once updated); when none does, it fails the turn at once (final chunk with `error`, kind "
         "`version_unavailable`).",
-        "- **Handoffs across versions.** A `decode_handoff` names in `policy_version` the weights that computed its KV "
-        "and sampled its first token. A decode engine serving that version continues it; one serving any other "
-        "version never reads that KV: it recomputes the turn from its prompt (and resume tokens) under its own "
-        "weights and samples from the first output position, so the prefill engine's first token, never streamed, "
-        "is dropped and every token of the turn carries the decode engine's version. A prefill during which its "
-        "engine updated in flight is not handed off (its KV would mix two weights): it is prefilled again. A "
-        "recompute costs one prefill; continuing would give tokens that no single policy produced.",
+        "- **Handoffs across versions (the rule).** A `decode_handoff` names in `policy_version` the weights that "
+        "computed its KV and sampled its first token, and only an engine serving exactly that version continues it. "
+        "A decode engine on newer weights never reads that KV: it recomputes the turn — the `generate_request` goes "
+        "back to `ns.work.prefill.any` with `min_policy_version` raised to the decode engine's version, so it is "
+        "prefilled again under weights at least that new (the KV and the first token, never streamed, are dropped; "
+        "every token of the turn then carries one version). A decode engine on older weights gives the handoff back "
+        "to the queue (it is loading the newer ones; another engine on them may take it). A prefill during which "
+        "its engine updated in flight is not handed off at all (its KV would mix two weights): it is prefilled "
+        "again. A recompute costs one prefill; continuing would give tokens that no single policy produced.",
+        "- **Tensors instead of checkpoints.** Key `transfer` (a `weight_transfer_init`) makes every engine join the "
+        "trainer's group of vLLM's weight-transfer API (`weight_transfer_config` engine argument, e.g. NCCL) while "
+        "the trainer opens its end; each reports `transfer_ready`. An update whose `transfer` holds `update_info` "
+        "(NCCL: `names`, `dtype_names`, `shapes`) then receives the tensors the trainer broadcasts meanwhile, "
+        "between two engine steps as a checkpoint load does (`prorsa.client.weight_sync` drives it from vLLM's own "
+        "trainer-side engines).",
         "- **Pause and resume.** `paused: true` under key `paused`: every engine stops pulling and freezes its "
         "running turns between two steps; `false` resumes them where they stopped. Nothing is lost: queued work "
         "waits in the queue.",

@@ -36,6 +36,7 @@ from proto.messages import (
     TrajectoryStarted,
     TurnSubmitted,
     WeightsStatus,
+    WeightTransferInit,
 )
 
 T0 = 1_780_000_000.0
@@ -225,6 +226,11 @@ EXAMPLES: dict[type[Message], Message] = {
         engine_id="engine-5", ts_s=T0 + 1.2, policy_version=13, target_version=13, state="serving", load_s=0.9
     ),
     GenerationControl: GenerationControl(paused=True, ts_s=T0, reason="trainer: weights sync"),
+    WeightTransferInit: WeightTransferInit(
+        init_info={"master_address": "10.0.0.1", "master_port": 29600, "world_size": 9},
+        ts_s=T0,
+        rank_offsets={"engine-0": 1, "engine-1": 5},
+    ),
     AbortOlderThan: AbortOlderThan(older_than=13, ts_s=T0, reason="partial rollout: new weights"),
     AbortOlderThanAck: AbortOlderThanAck(
         engine_id="engine-5", older_than=13, request_ids=["traj-7:3", "traj-9:0"], ts_s=T0 + 0.01

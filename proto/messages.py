@@ -164,9 +164,9 @@ class DecodeHandoff(Message, frozen=True, kw_only=True):
     prefill_new_tokens: NonNegInt = 0
     prefill_cached_tokens: NonNegInt = 0
     handed_off_s: float = 0.0
-    # The policy version whose weights computed this KV and sampled `first_token_id`. A decode engine serving other
-    # weights never continues from it: it recomputes the turn from its prompt under its own weights (the rule in
-    # proto/README.md, "Policy versions").
+    # The policy version whose weights computed this KV and sampled `first_token_id`. Only a decode engine serving
+    # exactly that version continues from it; one on newer weights has the turn prefilled again under them, one on
+    # older weights gives it back (the rule in proto/README.md, "Policy versions").
     policy_version: Counter = 0
 
 
@@ -403,17 +403,17 @@ class WeightsStatus(Message, frozen=True, kw_only=True):
     engine_id: Id
     ts_s: float
     policy_version: Counter  # the version whose weights serve its turns now
-    target_version: Counter = (
-        0  # the newest version it knows of (the durable current one): it is loading it if higher
-    )
-    state: WeightsState = (
-        "serving"  # "starting": not serving yet (reads the current version before it pulls work)
-    )
+    # The newest version it knows of (the durable current one): it is loading it when higher.
+    target_version: Counter = 0
+    # "starting": not serving yet (it reads the current version before it pulls work); "failed": see `error`.
+    state: WeightsState = "serving"
     paused: bool = False  # generation paused by the trainer (`GenerationControl`)
-    error: str = (
-        ""  # state "failed": why `target_version` could not be loaded (it serves `policy_version` meanwhile)
-    )
+    # State "failed": why `target_version` could not be loaded (it serves `policy_version` meanwhile).
+    error: str = ""
     load_s: NonNegFloat = 0.0  # how long the last load took (scaled seconds)
+    # It joined the trainer's weight-transfer group (`WeightTransferInit`): updates may send tensors (`transfer`).
+    transfer_ready: bool = False
+    transfer_error: str = ""  # why joining that group failed ("" while it has not, or did)
 
 
 class GenerationControl(Message, frozen=True, kw_only=True):
@@ -424,6 +424,21 @@ class GenerationControl(Message, frozen=True, kw_only=True):
     paused: bool
     ts_s: float
     reason: str = ""
+
+
+class WeightTransferInit(Message, frozen=True, kw_only=True):
+    """Join the trainer's weight-transfer group (vLLM's weight-transfer API, e.g. NCCL): the value of key `transfer`
+    in the KV bucket `<NS>_POLICY`. Every engine calls its `init_weight_transfer_engine` with `init_info` (its own
+    `rank_offset` from `rank_offsets` when given) while the trainer opens its end of the group, and reports
+    `transfer_ready`; updates then carry `transfer` (the tensors' update info) instead of a checkpoint path."""
+
+    init_info: dict[
+        str, Any
+    ]  # the backend's worker init info (NCCL: master_address, master_port, world_size, ...)
+    ts_s: float
+    rank_offsets: dict[
+        str, NonNegInt
+    ] = {}  # engine id -> its first rank in the group (NCCL); {}: init_info's own
 
 
 class AbortOlderThan(Message, frozen=True, kw_only=True):
@@ -542,6 +557,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     PolicyVersionUpdate,
     WeightsStatus,
     GenerationControl,
+    WeightTransferInit,
     AbortOlderThan,
     AbortOlderThanAck,
     LifecycleSnapshot,

@@ -29,7 +29,7 @@ Subjects (ns = namespace):
                                    proto/context_log.py)
 
 KV bucket NS_POLICY (`policy_bucket`): key `current` holds the current PolicyVersionUpdate (version, source,
-mode), key `paused` a GenerationControl. Trainers (and the operator) write it; engines read it before they pull any
+mode), key `paused` a GenerationControl, key `transfer` a WeightTransferInit (tensors instead of checkpoints). Trainers (and the operator) write it; engines read it before they pull any
 work and watch it after, so an engine that starts or restarts serves the current version (and starts paused while
 generation is paused).
 
@@ -55,6 +55,7 @@ def check_token(value: str, what: str = "subject token") -> str:
 # Keys of the policy KV bucket (`Subjects.policy_bucket`).
 POLICY_KEY_CURRENT = "current"  # value: a PolicyVersionUpdate
 POLICY_KEY_PAUSED = "paused"  # value: a GenerationControl
+POLICY_KEY_TRANSFER = "transfer"  # value: a WeightTransferInit
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.aio.client import Client as NATS
@@ -428,7 +428,13 @@ class RolloutClient:
 
     # --- the RL control plane (control.py) -------------------------------------------------------------------
     async def update_weights(
-        self, version: int, source: str = "", *, timeout_s: float = 300.0, mode: str = "drain"
+        self,
+        version: int,
+        source: str = "",
+        *,
+        timeout_s: float = 300.0,
+        mode: str = "drain",
+        transfer: dict[str, Any] | None = None,
     ) -> WeightsAck:
         """Make `version` the current policy version, its weights at `source` (a checkpoint directory under the
         engines' `--weights-root`; "" = reload their model path), and return once every live engine serves it.
@@ -438,9 +444,24 @@ class RolloutClient:
         engine loads between two steps and running turns go on, every token stamped with the version that sampled
         it. The version is durable: an engine that starts or restarts loads it before pulling work.
 
+        `transfer`: tensors instead of a checkpoint (vLLM's weight-transfer API, after `init_weight_transfer`):
+        `{"update_info": ...}`, sent while the trainer broadcasts them (`weight_sync.BusWeightSyncClient` does both).
+
         Raises WeightUpdateError (`.engines`: the live engines that do not serve it — they failed to load it,
         `.failed` says why, or `timeout_s` ran out), ValueError (a version below the current one, a bad mode)."""
-        return await self.control.update_weights(version, source, timeout_s, mode)
+        return await self.control.update_weights(version, source, timeout_s, mode, transfer)
+
+    async def init_weight_transfer(
+        self,
+        init_info: dict[str, Any],
+        rank_offsets: dict[str, int] | None = None,
+        *,
+        timeout_s: float = 300.0,
+    ) -> list[str]:
+        """Have every live engine join the trainer's weight-transfer group (vLLM's API; engines started with a
+        `weight_transfer_config`); `rank_offsets`: engine id → its first NCCL rank. Returns the engines once all
+        joined; raises WeightUpdateError naming those that did not. Run it while the trainer opens its end."""
+        return await self.control.init_weight_transfer(init_info, rank_offsets or {}, timeout_s)
 
     async def pause(self, reason: str = "", *, timeout_s: float = 30.0) -> list[str]:
         """Stop all generation cluster-wide: engines pull no more work and freeze their running turns; queued work

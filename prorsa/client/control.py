@@ -30,6 +30,7 @@ from proto import (
     MAX_COUNTER,
     POLICY_KEY_CURRENT,
     POLICY_KEY_PAUSED,
+    POLICY_KEY_TRANSFER,
     AbortOlderThan,
     AbortOlderThanAck,
     EngineStats,
@@ -37,6 +38,7 @@ from proto import (
     PolicyVersionUpdate,
     ProtoError,
     WeightsStatus,
+    WeightTransferInit,
 )
 from services.runtime.bus import policy_bucket
 from services.runtime.logging import get_logger
@@ -151,7 +153,8 @@ class PolicyControl:
         log.info("weights_update_written", version=version, source=source, mode=mode, revision=revision)
         verdict = await self._wait(lambda now: self.view.barrier(version, now, written_ts), t0 + timeout_s)
         if verdict.state == "done":
-            return WeightsAck(version, source, mode, verdict.served, time.monotonic() - t0, revision)
+            what = "transfer" if transfer is not None else source
+            return WeightsAck(version, what, mode, verdict.served, time.monotonic() - t0, revision)
         if verdict.state == "failed":
             raise WeightUpdateError(
                 f"policy version {version}: engines {', '.join(sorted(verdict.failed))} failed to load it "
@@ -183,6 +186,31 @@ class PolicyControl:
                 await asyncio.wait_for(self._changed.wait(), max(wait, 0.001))
             except TimeoutError:
                 pass
+
+    async def init_weight_transfer(
+        self, init_info: dict[str, Any], rank_offsets: dict[str, int], timeout_s: float
+    ) -> list[str]:
+        """Have every engine join the trainer's weight-transfer group (key `transfer`); the engines that did, once
+        every live one did. The trainer opens its own end meanwhile (NCCL: the rendezvous needs both)."""
+        kv = await self.kv()
+        t0 = time.monotonic()
+        written_ts = self.client.clock.now_s()
+        init = WeightTransferInit(init_info=dict(init_info), ts_s=written_ts, rank_offsets=dict(rank_offsets))
+        await kv.put(POLICY_KEY_TRANSFER, proto.encode(init))
+        verdict = await self._wait(lambda now: self.view.transfer_barrier(now, written_ts), t0 + timeout_s)
+        if verdict.state != "done":
+            raise WeightUpdateError(
+                f"weight transfer: engines {', '.join(verdict.lagging)} did not join"
+                + (
+                    f" ({'; '.join(f'{e}: {x}' for e, x in sorted(verdict.failed.items()))})"
+                    if verdict.failed
+                    else ""
+                ),
+                verdict.lagging,
+                verdict.failed,
+                timed_out=verdict.state == "waiting",
+            )
+        return sorted(verdict.served)
 
     # -- pause / resume ------------------------------------------------------------------------------------------
 

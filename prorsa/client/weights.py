@@ -4,8 +4,9 @@ Pure (no I/O, time is a parameter): `WeightsView` keeps what engines report (`We
 every stats interval, `EngineStats` every second) and answers the two questions `RolloutClient.update_weights`,
 `pause` and `resume` ask while they wait: which engines are live, and which of them do not yet do what was asked.
 
-Live. An engine is live while its newest report (status or stats) is fresh: seen within three of its own report
-intervals, never longer ago than `stale_after_s` (the rule `EngineDirectory.fresh` applies to affinity). A dead
+Live. An engine is live while its newest report of either kind (status or stats) is fresh: seen within three of
+that kind's own report interval, never longer ago than `stale_after_s` (the rule `EngineDirectory.fresh` applies
+to affinity; each kind keeps its own interval, as the two come at different moments of a second). A dead
 engine therefore drops out of a barrier after about three missed reports, and one that (re)starts joins it with its
 first report, in state "starting", so the barrier names it until it serves the version.
 
@@ -77,38 +78,38 @@ class WeightsView:
     min_stale_s: float = 0.5
     status: dict[str, WeightsStatus] = field(default_factory=dict)
     stats_version: dict[str, int] = field(default_factory=dict)
-    seen: dict[str, _Seen] = field(default_factory=dict)
+    seen: dict[tuple[str, str], _Seen] = field(default_factory=dict)  # (engine id, "status" | "stats")
 
     def observe_status(self, msg: WeightsStatus, now: float) -> None:
         prev = self.status.get(msg.engine_id)
         if prev is not None and msg.ts_s < prev.ts_s:
             return  # reordered: keep the newer picture
         self.status[msg.engine_id] = msg
-        self._saw(msg.engine_id, msg.ts_s, now)
+        self._saw((msg.engine_id, "status"), msg.ts_s, now)
 
     def observe_stats(self, msg: EngineStats, now: float) -> None:
         self.stats_version[msg.engine_id] = msg.policy_version
-        self._saw(msg.engine_id, msg.ts_s, now)
+        self._saw((msg.engine_id, "stats"), msg.ts_s, now)
 
-    def _saw(self, engine_id: str, ts_s: float, now: float) -> None:
-        s = self.seen.get(engine_id)
+    def _saw(self, key: tuple[str, str], ts_s: float, now: float) -> None:
+        s = self.seen.get(key)
         if s is None:
-            self.seen[engine_id] = _Seen(now, ts_s)
+            self.seen[key] = _Seen(now, ts_s)
             return
         gap = now - s.at_s
-        if gap > 0.01:  # two reports of one tick (status and stats) are one report
+        if gap > 0.01:  # a status published at once on a change, then on the tick, is one report
             s.interval_s = gap if s.interval_s is None else 0.8 * s.interval_s + 0.2 * gap
         s.at_s = now
         s.ts_s = max(s.ts_s, ts_s)
 
     def live(self, now: float) -> list[str]:
-        out = []
-        for engine_id, s in self.seen.items():
+        out = set()
+        for (engine_id, _), s in self.seen.items():
             bound = self.stale_after_s
             if s.interval_s is not None:
                 bound = min(bound, max(self.min_stale_s, self.missed_intervals * s.interval_s))
             if now - s.at_s <= bound:
-                out.append(engine_id)
+                out.add(engine_id)
         return sorted(out)
 
     def served(self, engine_id: str) -> int:
@@ -142,3 +143,15 @@ class WeightsView:
         live = self.live(now)
         lagging = [e for e in live if (st := self.status.get(e)) is None or st.paused != paused]
         return Verdict("waiting" if lagging else "done", lagging, {}, {e: self.served(e) for e in live})
+
+    def transfer_barrier(self, now: float, since_ts_s: float) -> Verdict:
+        """Whether every live engine joined the weight-transfer group (a status stamped at or after `since_ts_s`
+        says so); one that reports an error for it fails the wait."""
+        live = self.live(now)
+        fresh = {e: st for e in live if (st := self.status.get(e)) is not None and st.ts_s >= since_ts_s}
+        lagging = [e for e in live if e not in fresh or not fresh[e].transfer_ready]
+        failed = {e: st.transfer_error for e, st in fresh.items() if st.transfer_error}
+        state: Literal["done", "waiting", "failed"] = (
+            "failed" if failed else ("waiting" if lagging else "done")
+        )
+        return Verdict(state, lagging, failed, {e: self.served(e) for e in live})

@@ -5,6 +5,7 @@
   POST /generate                         SGLang-shaped token-in/token-out
   POST /v1/trajectories/{id}/finish      reward and outcome (as the SDK's `finish`)
   POST /v1/trajectories/{id}/abort       stop the session's running turn, close the trajectory as aborted
+  POST /v1/weights, /v1/pause, /v1/resume, /v1/abort   the trainer's control plane (admin.py; the admin key)
   GET  /v1/models, /health, /metrics
 
 A session is named by the `X-Prorsa-Trajectory` header or the body's `trajectory_id` (an OpenAI client's
@@ -34,6 +35,7 @@ from starlette.routing import Route
 
 from prorsa.client.client import Trajectory
 from prorsa.gateway import shapes, streaming
+from prorsa.gateway.admin import Admin, AdminError
 from prorsa.gateway.chat_template import TemplateError
 from prorsa.gateway.sampling import Sampling, UnsupportedField, build_sampling
 from prorsa.gateway.schemas import (
@@ -57,6 +59,7 @@ DISCONNECT_POLL_S = 0.5  # how often a client waiting for a whole answer is chec
 @dataclass
 class HttpConfig:
     api_key: str = ""  # "" = no key required
+    admin_api_key: str = ""  # the admin endpoints' key ("" = the api_key, if any, serves them too)
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_turns: int = 4096  # turns running at once; more are refused with 429
     tool_parser: str = "hermes"
@@ -77,6 +80,10 @@ def build_app(gw: Gateway, http: HttpConfig) -> Starlette:
         Route("/generate", api.endpoint("generate", api.generate), methods=["POST"]),
         Route("/v1/trajectories/{traj_id}/finish", api.endpoint("finish", api.finish), methods=["POST"]),
         Route("/v1/trajectories/{traj_id}/abort", api.endpoint("abort", api.abort), methods=["POST"]),
+        Route("/v1/weights", api.endpoint("weights", api.admin.weights, admin=True), methods=["POST"]),
+        Route("/v1/pause", api.endpoint("pause", api.admin.pause, admin=True), methods=["POST"]),
+        Route("/v1/resume", api.endpoint("resume", api.admin.resume, admin=True), methods=["POST"]),
+        Route("/v1/abort", api.endpoint("abort_older_than", api.admin.abort, admin=True), methods=["POST"]),
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_page, methods=["GET"]),
@@ -95,15 +102,21 @@ class _Api:
             http.tool_parser, gw.tokenizer.tok if gw.tokenizer is not None else None
         )
         self._aborting: set[asyncio.Future] = set()  # aborts outliving their request, held till done
+        self.admin = Admin(gw.client, self._parse)
 
     # --- the frame every endpoint runs in: auth, errors, counting ----------------------------------------------
     def endpoint(
-        self, name: str, handler: Callable[[Request], Awaitable[Response]]
+        self, name: str, handler: Callable[[Request], Awaitable[Response]], admin: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             try:
-                self._authorise(request)
+                self._authorise(request, admin)
                 response = await handler(request)
+            except AdminError as exc:
+                response = self._error(exc.status, exc.code, str(exc), None)
+                body = json.loads(bytes(response.body))
+                body["error"].update(engines=exc.engines, failed=exc.failed)
+                response = JSONResponse(body, status_code=exc.status)
             except HttpError as exc:
                 response = self._error(exc.status, exc.code, str(exc), exc.param)
             except TurnError as exc:
@@ -127,13 +140,17 @@ class _Api:
             shapes.error_body(message, code, param, kind), status_code=status, headers=headers
         )
 
-    def _authorise(self, request: Request) -> None:
-        if not self.http.api_key:
+    def _authorise(self, request: Request, admin: bool = False) -> None:
+        """The key an endpoint needs: the admin key for the control plane when one is set (the plain key then
+        does not do), else the gateway's key; none when neither is set (an open gateway, warned at start)."""
+        key = self.http.admin_api_key or self.http.api_key if admin else self.http.api_key
+        if not key:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.http.api_key):
-            raise HttpError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            what = "admin API key" if admin and self.http.admin_api_key else "API key"
+            raise HttpError(401, "invalid_api_key", f"missing or wrong {what} (Authorization: Bearer KEY)")
 
     async def _parse(self, request: Request, model: type[M]) -> M:
         declared = request.headers.get("content-length")

@@ -2,7 +2,8 @@
 
 Stateless apart from its sessions (`sessions.py`): run several behind a load balancer that keeps a session on one
 process (e.g. by the `X-Prorsa-Trajectory` header). It joins the bus as a trainer (`PRORSA_NATS_*`, e.g. the
-`trainer.env` that `prorsa up` writes), and requires the API key in `PRORSA_API_KEY` when that is set.
+`trainer.env` that `prorsa up` writes), and requires the API key in `PRORSA_API_KEY` when that is set; the trainer's
+control plane (`admin.py`) requires `PRORSA_ADMIN_API_KEY` when that is set.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
 API_KEY_ENV = "PRORSA_API_KEY"
+ADMIN_API_KEY_ENV = (
+    "PRORSA_ADMIN_API_KEY"  # the control plane's (/v1/weights, /v1/pause, ...); unset: API_KEY_ENV's
+)
 log = get_logger("gateway", "")
 
 
@@ -94,3 +98,7 @@ async def serve(config: ServeConfig) -> None:
 
 def api_key_from_env() -> str:
     return os.environ.get(API_KEY_ENV, "")
+
+
+def admin_api_key_from_env() -> str:
+    return os.environ.get(ADMIN_API_KEY_ENV, "")

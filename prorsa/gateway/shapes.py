@@ -1,7 +1,8 @@
 """Response bodies in OpenAI's (and SGLang's) shapes, with Prorsa's token-exact additions.
 
 Pure. As vLLM's `return_token_ids` does: `prompt_token_ids` on the response (chat) or the choice (completions),
-`token_ids` on each choice: exactly what was sampled. Logprobs are the engine's, one per output token (see
+`token_ids` on each choice: exactly what was sampled, and `token_versions` beside them: the policy version that
+sampled each (a turn that straddles an in-flight weight update holds two). Logprobs are the engine's, one per output token (see
 `sampling.py` for which kind). `prorsa` names the trajectory, its turn, the engine and the policy version.
 """
 
@@ -81,6 +82,7 @@ def chat_response(
                 "finish_reason": "tool_calls" if calls else turn.finish_reason,
                 "logprobs": chat_logprobs(turn.output_ids, turn.logprobs, decode) if want_logprobs else None,
                 "token_ids": turn.output_ids,
+                "token_versions": list(turn.token_versions),
                 "prorsa": prorsa_fields(turn),
             }
         )
@@ -120,6 +122,7 @@ def completion_response(model: str, turns: list[Turn], want_logprobs: bool, deco
                 "logprobs": completion_logprobs(t.output_ids, t.logprobs, decode) if want_logprobs else None,
                 "prompt_token_ids": t.prompt_ids,
                 "token_ids": t.output_ids,
+                "token_versions": list(t.token_versions),
                 "prorsa": prorsa_fields(t),
             }
             for i, t in enumerate(turns)
@@ -137,6 +140,7 @@ def generate_response(turn: Turn, want_logprobs: bool) -> dict:
         "completion_tokens": len(turn.output_ids),
         "cached_tokens": turn.cached_tokens,
         "weight_version": turn.policy_version,
+        "output_token_versions": list(turn.token_versions),
         "prorsa": prorsa_fields(turn),
     }
     if want_logprobs and turn.logprobs is not None:

@@ -70,7 +70,7 @@ async def chat_events(
         delta: dict[str, Any] = {}
         if not hold_text and (new := _new_text(ids, sent, decode)):
             delta["content"], sent = new, sent + new
-        out = frame(delta, {"token_ids": list(chunk.token_ids)})
+        out = frame(delta, _ids(chunk))
         if logprobs:
             out["choices"][0]["logprobs"] = shapes.chat_logprobs(chunk.token_ids, chunk.logprobs, decode)
         yield shapes.sse(out)
@@ -116,7 +116,7 @@ async def completion_events(
         ids += chunk.token_ids
         new = "" if hold_text else _new_text(ids, sent, decode)
         sent += new
-        out = frame(new, {"token_ids": list(chunk.token_ids)})
+        out = frame(new, _ids(chunk))
         if logprobs:
             out["choices"][0]["logprobs"] = shapes.completion_logprobs(
                 chunk.token_ids, chunk.logprobs, decode
@@ -128,3 +128,11 @@ async def completion_events(
     extra = {"prompt_token_ids": turn.prompt_ids, "prorsa": shapes.prorsa_fields(turn)}
     yield shapes.sse(frame(rest, extra, turn.finish_reason))
     yield shapes.sse("[DONE]")
+
+
+def _ids(chunk: Any) -> dict:
+    """A streamed chunk's ids and the policy version of each (a chunk never spans two versions)."""
+    return {
+        "token_ids": list(chunk.token_ids),
+        "token_versions": [chunk.policy_version] * len(chunk.token_ids),
+    }

@@ -54,6 +54,9 @@ class Turn:
     engine_id: str
     policy_version: int
     ttft_s: float
+    token_versions: tuple[
+        int, ...
+    ] = ()  # the policy version that sampled each output id (aligned with output_ids)
 
 
 @dataclass
@@ -220,6 +223,7 @@ class Gateway:
             result.engine_id,
             result.policy_version,
             result.ttft_s,
+            tuple(result.token_versions[: len(ids)]),
         )
 
     def _stop_watch(

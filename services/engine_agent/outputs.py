@@ -40,7 +40,8 @@ def token_chunk(
     now_s: float = 0.0,
     now_mono: float = 0.0,
 ) -> TokenChunk:
-    """Chunk `index` of the job's stream; the final one carries the request's totals and latencies."""
+    """Chunk `index` of the job's stream, its tokens sampled by `policy_version`; the final one carries the
+    request's totals and latencies."""
     req = job.request
     extra: dict[str, Any] = {}
     if final:
@@ -50,7 +51,6 @@ def token_chunk(
             "output_tokens": job.output_tokens,
             "ttft_s": _ttft_s(job, now_s, now_mono),
             "e2e_s": max(0.0, now_s - _origin_s(job)),
-            "policy_version": policy_version,
             "prefill_engine": job.prefill_engine,
         }
     # Logprobs only when asked for and complete (a handed-off first token may come without one).
@@ -66,6 +66,7 @@ def token_chunk(
         attempt=req.attempt,
         stream=job.stream_tag,
         stream_base=req.next_chunk_index,
+        policy_version=policy_version,  # every chunk: the version that sampled its tokens
         **extra,
     )
 
@@ -105,8 +106,11 @@ def finished_fields(
     }
 
 
-def decode_handoff(job: Job, res: PrefillResult, engine_id: str, now_s: float) -> DecodeHandoff:
-    """The handoff a prefill engine enqueues for a decode engine."""
+def decode_handoff(
+    job: Job, res: PrefillResult, engine_id: str, now_s: float, policy_version: int = 0
+) -> DecodeHandoff:
+    """The handoff a prefill engine enqueues for a decode engine; `policy_version`: the weights that computed its KV
+    and sampled its first token."""
     return DecodeHandoff(
         request=job.request,
         prefill_engine=engine_id,
@@ -117,6 +121,7 @@ def decode_handoff(job: Job, res: PrefillResult, engine_id: str, now_s: float) -
         prefill_new_tokens=res.new_tokens,
         prefill_cached_tokens=res.cached_tokens,
         handed_off_s=now_s,
+        policy_version=policy_version,
     )
 
 
@@ -129,6 +134,7 @@ def migrated_request(job: Job) -> GenerateRequest:
         resume_token_ids=[*req.resume_token_ids, *job.streamed_ids],
         next_chunk_index=job.next_index,
         affinity_engine="",
+        resume_min_version=job.min_version if job.min_version is not None else 0,
     )
 
 

@@ -45,7 +45,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from proto import POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, Subjects, check_token
+from proto import POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER, Subjects, check_token
 
 RoleName = Literal["trainer", "engine", "tracker", "forecaster", "allocator", "operator"]
 ROLE_NAMES: tuple[RoleName, ...] = ("trainer", "engine", "tracker", "forecaster", "allocator", "operator")
@@ -123,8 +123,9 @@ def _policy_watch(s: Subjects) -> list[str]:
 
 
 def _policy_write(s: Subjects) -> list[str]:
-    """Write the keys of the policy bucket (a JetStream publish on the key's subject); only these two keys."""
-    return [f"$KV.{s.policy_bucket}.{POLICY_KEY_CURRENT}", f"$KV.{s.policy_bucket}.{POLICY_KEY_PAUSED}"]
+    """Write the keys of the policy bucket (a JetStream publish on the key's subject); only these keys."""
+    keys = (POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER)
+    return [f"$KV.{s.policy_bucket}.{key}" for key in keys]
 
 
 def _ensure_streams(s: Subjects) -> list[str]:

@@ -25,6 +25,9 @@ class EngineChunk:
     ttft_s: float | None  # submit -> first token on this engine's wall clock; None before it
     elapsed_s: float  # submit -> this chunk
     kv_transfer_params: dict[str, Any] | None = None  # final chunk of a prefill for remote decode
+    # The policy version that sampled each token (vLLM's weight-version labels, `vllm_weights.token_versions`);
+    # None where vLLM has no label of ours.
+    token_versions: list[int] | None = None
 
 
 def _plain(value: Any) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine_agent.backend import BackendError, EngineDead, KvUnavailable, RequestAborted
+from services.engine_agent.backends import vllm_weights
 from services.engine_agent.backends.vllm_chunks import EngineChunk, StreamState
 from services.engine_agent.backends.vllm_launch import (
     CPU_MAX_MODEL_LEN,
@@ -122,6 +124,7 @@ class PrefillHandoff:
     finish_reason: (
         str  # "length" (max_tokens=1) or "stop" (the first token is a stop token: nothing to decode)
     )
+    policy_version: int | None = None  # the weights version that sampled the first token (vLLM's label)
 
 
 def request_seed(request_id: str) -> int:
@@ -146,6 +149,7 @@ class VllmEngine:
         self.compat = ""
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
+        self._transfer_ready = False  # joined the trainer's weight-transfer group
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -258,6 +262,7 @@ class VllmEngine:
     async def stop(self) -> None:
         """Shut the engine down (its child process and NIXL side channel go with it). Idempotent."""
         llm, self._llm = self._llm, None
+        self._transfer_ready = False  # the group went with the engine
         if llm is None:
             return
         # Stop the output handler first: left running, it sees the engine process die and logs it as a failure.
@@ -352,6 +357,7 @@ class VllmEngine:
             num_cached_tokens=last.num_cached_tokens,
             prefill_s=last.ttft_s if last.ttft_s is not None else last.elapsed_s,
             finish_reason=last.finish_reason,
+            policy_version=last.token_versions[0] if last.token_versions else None,
         )
 
     async def decode_from_remote(
@@ -416,27 +422,70 @@ class VllmEngine:
 
     # -- weights and stats ---------------------------------------------------------------------------------------
 
-    async def reload_weights(self, weights_path: str | None = None) -> None:
-        """Load new weights in place (same architecture) from `weights_path`, or again from the model path.
-
-        In-flight requests are frozen meanwhile and continue on the new weights (their KV stays); the prefix cache
-        is then dropped so no new request reuses KV computed with the old weights. Raises BackendError on failure."""
-        llm = self._engine()
-        kwargs = {"weights_path": weights_path} if weights_path else {}
+    async def reload_weights(self, weights_path: str | None = None, version: int | None = None) -> None:
+        """Load new weights in place (same architecture) from `weights_path`, or again from the model path, and
+        label the tokens sampled from now on `version` (`vllm_weights`). Pauses and resumes the engine itself;
+        `load_weights` runs on an engine already paused. Raises BackendError on failure."""
+        await self.pause()
         try:
-            await llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await llm.collective_rpc("reload_weights", kwargs=kwargs)
-            finally:
-                await llm.resume_generation()
-            reset = await llm.reset_prefix_cache()
+            await self.load_weights(weights_path, version)
+        finally:
+            await self.resume()
+
+    async def pause(self) -> None:
+        """Freeze every request between two steps (`vllm_weights.pause`). Raises BackendError on failure."""
+        try:
+            await vllm_weights.pause(self._engine())
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: pause failed: {exc!r}") from exc
+
+    async def resume(self) -> None:
+        try:
+            await vllm_weights.resume(self._engine())
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: resume failed: {exc!r}") from exc
+
+    async def load_weights(self, weights_path: str | None, version: int | None) -> None:
+        """On a paused engine: the weights at `weights_path` ("" / None: the model path), labelled `version`."""
+        try:
+            await vllm_weights.reload_from(self._engine(), weights_path or None, version)
         except _vllm_errors() as exc:
             raise BackendError(
                 f"engine {self.config.engine_id}: reloading weights from {weights_path or 'the model path'} "
                 f"failed: {exc!r}"
             ) from exc
-        if not reset:
-            log.warning("engine %s: prefix cache not reset (blocks in use)", self.config.engine_id)
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer group (`vllm_weights.init_transfer`; the engine must have been started
+        with a `weight_transfer_config`, e.g. `{"backend": "nccl"}`). Blocks until the trainer joins too (NCCL's
+        rendezvous). Raises BackendError on failure."""
+        try:
+            await vllm_weights.init_transfer(self._engine(), init_info)
+        except (*_vllm_errors(), TypeError, KeyError) as exc:
+            raise BackendError(
+                f"engine {self.config.engine_id}: joining the weight transfer failed: {exc!r}"
+            ) from exc
+        self._transfer_ready = True
+
+    async def receive_weights(self, transfer: dict[str, Any], version: int) -> None:
+        """On a paused engine: tensors through vLLM's weight-transfer API (`vllm_weights.receive`), `transfer`'s
+        `update_info` (the backend's: names/dtype_names/shapes for "nccl"). Raises BackendError when the engine has
+        not joined the trainer's group (`init_weight_transfer`) or the transfer fails."""
+        if not self._transfer_ready:
+            raise BackendError(
+                f"engine {self.config.engine_id} has not joined a weight-transfer group (WeightTransferInit first)"
+            )
+        try:
+            await vllm_weights.receive(self._engine(), transfer.get("update_info") or {}, version)
+        except (*_vllm_errors(), TypeError, KeyError) as exc:
+            raise BackendError(f"engine {self.config.engine_id}: weight transfer failed: {exc!r}") from exc
+
+    async def label_weights(self, version: int) -> None:
+        """Label the tokens sampled from now on `version` (at start: the version it serves)."""
+        try:
+            await vllm_weights.label(self._engine(), version)
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: labelling weights failed: {exc!r}") from exc
 
     def stats(self) -> VllmEngineStats:
         """Load as of the engine's last step (running/waiting are zero once no request is unfinished)."""
@@ -494,7 +543,11 @@ class VllmEngine:
             # aclosing: a consumer that stops early closes vLLM's generator, which aborts the request.
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    start = state.num_output_tokens
                     chunk = state.chunk(out, time.perf_counter() - t0)
+                    versions = vllm_weights.token_versions(llm, request_id, out, start, len(chunk.token_ids))
+                    if versions is not None:
+                        chunk = dataclasses.replace(chunk, token_versions=versions)
                     yield chunk
                     if chunk.finished:
                         return
