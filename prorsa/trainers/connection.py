@@ -48,13 +48,17 @@ class Connection:
     """How to reach a Prorsa cluster as a trainer. Picklable; `client()` connects per process and event loop.
 
     `client_options` go to `RolloutClient` (e.g. `retry_after_s`, `lean_wire`); `time_scale` is the cluster's
-    clock scale (1 with real engines; the `PRORSA_TIME_SCALE` of a simulated cluster)."""
+    clock scale (1 with real engines; the `PRORSA_TIME_SCALE` of a simulated cluster). `discovery_s`: how long a
+    new `client()` listens to engine stats before it returns (engines report every second): a client that knows no
+    engine sends a trajectory's next turn to any engine instead of the one holding its prefix, so a fresh worker
+    process would lose its first turns' prefix caches (0: return at once)."""
 
     url: str
     credentials: BusCredentials = field(default_factory=BusCredentials)
     namespace: str = "prorsa"
     time_scale: float = 1.0
     client_options: dict[str, Any] = field(default_factory=dict)
+    discovery_s: float = 1.2
     # Per process: clients by id(loop) and the pid that made them (a fork or a pickle starts empty).
     _clients: dict[int, _LoopClient] = field(default_factory=dict, init=False, repr=False, compare=False)
     _locks: dict[int, asyncio.Lock] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -124,6 +128,7 @@ class Connection:
             if have is not None and have.loop is loop:
                 return have.client
             client = await self._connect()
+            await asyncio.sleep(self.discovery_s)  # a round of engine stats: affinity from the first turns on
             self._clients[key] = _LoopClient(loop, client)
             return client
 
