@@ -142,6 +142,14 @@ def render() -> str:
         "When the trajectory ends, purge the stream's subject `ns.ctx.<traj_id>.>` (`$JS.API.STREAM.PURGE."
         "<NS>_CONTEXT` with a `filter`). An engine that cannot rebuild a turn's prompt (its segments purged or "
         "expired) fails the turn with an `error` saying so.",
+        "- **Sampling.** `sampling` holds what vLLM's sampler takes: `max_tokens`, `temperature`, `top_p`, `top_k`, "
+        "`seed`, `stop_token_ids`, `ignore_eos`, `logprobs` (the sampled token's), and, added within schema 2 with "
+        "neutral defaults, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`, "
+        "`top_logprobs` (k: each chunk's `top_logprobs` then lists, per token, the k most likely `[token id, "
+        "logprob]` pairs, the most likely first) and `logprobs_mode` (`raw_logprobs`: the model's log-softmax "
+        "before temperature, penalties and top-k/top-p; `processed_logprobs`: after them; empty: the engine's "
+        "kind). An engine that returns the other kind of logprobs fails the turn with an `error` naming both; "
+        "simulated engines honour `min_tokens` and `top_logprobs` and have no logits for penalties to act on.",
         "- **Affinity.** The next turn goes to `ns.work.prefill.engine.<id>`, `<id>` being the final chunk's "
         "`prefill_engine` (else its `engine_id`), only while that engine's latest `engine_stats` (`ns.stats.<id>`, "
         "every second) is under 3 s old, its `role` is `prefill` or `mixed`, `switching` is false and `waiting` "

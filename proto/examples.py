@@ -46,7 +46,7 @@ _req = GenerateRequest(
     turn=3,
     prompt_token_ids=[151644, 872, 198, 3838],
     prompt_len=3108,
-    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7),
+    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7, top_logprobs=2),
     reply_to="prorsa.reply.trainer-0",
     policy_version=12,
     task="coding",
@@ -112,6 +112,7 @@ EXAMPLES: dict[type[Message], Message] = {
         prefill_new_tokens=4,
         prefill_cached_tokens=0,
         handed_off_s=T0 + 0.1,
+        first_top_logprobs=[(1234, -0.7), (873, -1.1)],
         policy_version=12,
     ),
     PrefillDone: PrefillDone(
@@ -163,6 +164,7 @@ EXAMPLES: dict[type[Message], Message] = {
         token_ids=[1234, 99],
         logprobs=[-0.7, -1.2],
         engine_id="engine-5",
+        top_logprobs=[[(1234, -0.7), (873, -1.1)], [(4410, -0.9), (99, -1.2)]],
         policy_version=12,
     ),
     AbortRequest: AbortRequest(

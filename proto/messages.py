@@ -34,6 +34,11 @@ Counter = Annotated[int, Meta(ge=0, le=MAX_COUNTER)]  # an epoch or a policy ver
 # Ids end up as NATS subject tokens (engine ids) or log keys: no dots, spaces or wildcards.
 Id = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-:]+$")]
 Role = Literal["prefill", "decode", "mixed"]
+LogprobsMode = Literal["", "raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+MAX_TOP_LOGPROBS = 20
+# One alternative of `top_logprobs`: (token id, logprob), the most likely first.
+TopLogprob = tuple[int, float]
 ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
 
 
@@ -108,6 +113,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = True  # return the sampled token's logprob (RL needs it)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Added within schema 2 with neutral defaults (an older sender means none of them). Penalties as vLLM/OpenAI
+    # define them: presence subtracts once from the logit of a token already in the output, frequency once per
+    # occurrence in the output, repetition (HF/vLLM, > 1 discourages) divides the logits of tokens in the prompt or
+    # the output. An engine that cannot apply one says so in its docs (the simulated one has no logits).
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    # Output tokens before a stop token or EOS may end the turn (capped by max_tokens).
+    min_tokens: NonNegInt = 0
+    # Per output token, the `top_logprobs` most likely tokens and their logprobs (`TokenChunk.top_logprobs`);
+    # 0: none. At most 20, vLLM's default `max_logprobs`.
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # Which logprobs the turn needs: "raw_logprobs" (log-softmax of the model's logits, before temperature,
+    # penalties, top-k/top-p) or "processed_logprobs" (of the distribution sampled from, after all of them); "":
+    # whichever the engine returns. An engine that returns the other kind fails the turn, naming both.
+    logprobs_mode: LogprobsMode = ""
 
 
 class GenerateRequest(Message, frozen=True, kw_only=True):
@@ -164,6 +185,8 @@ class DecodeHandoff(Message, frozen=True, kw_only=True):
     prefill_new_tokens: NonNegInt = 0
     prefill_cached_tokens: NonNegInt = 0
     handed_off_s: float = 0.0
+    # The first token's `sampling.top_logprobs` alternatives (None when not asked for), streamed with it.
+    first_top_logprobs: list[TopLogprob] | None = None
     # The policy version whose weights computed this KV and sampled `first_token_id`. Only a decode engine serving
     # exactly that version continues from it; one on newer weights has the turn prefilled again under them, one on
     # older weights gives it back (the rule in proto/README.md, "Policy versions").
@@ -266,6 +289,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     # The index this execution started at: 0 for a run from scratch, the predecessor's next index for a migrated
     # request. Lets a client follow one chain of executions and ignore a concurrent duplicate run.
     stream_base: NonNegInt = 0
+    # Per token of `token_ids`, its request's `sampling.top_logprobs` most likely alternatives as (token id,
+    # logprob), the most likely first; None when not asked for.
+    top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
@@ -568,6 +594,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 
 __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "LIFECYCLE_MESSAGES",
+    "LOGPROBS_MODES",
+    "LogprobsMode",
+    "MAX_TOP_LOGPROBS",
+    "TopLogprob",
     "WORK_MESSAGES",
     "ENGINE_EVENT_MESSAGES",
     "ROLES",

@@ -256,7 +256,7 @@ def _metric(up: Up, name: str) -> float:
         (b"{not json", None, 400, "invalid_json"),
         ({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, None, 400, "invalid_field"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
+            {"messages": [{"role": "user", "content": "x"}], "min_p": 0.5},
             None,
             400,
             "unsupported_field",
@@ -286,7 +286,7 @@ def test_bad_chat_requests_get_http_errors(
     err = r.json()["error"]
     assert err["code"] == code and err["message"]
     if code in ("invalid_field", "unsupported_field"):
-        assert err["param"] in ("frobnicate", "presence_penalty")
+        assert err["param"] in ("frobnicate", "min_p")
 
 
 def test_unknown_session_and_oversized_body(up: Up) -> None:

@@ -79,13 +79,11 @@ def test_a_connection_needs_a_url(monkeypatch) -> None:
 def test_settings_and_sampling_refuse_what_they_cannot_honour() -> None:
     with pytest.raises(ValueError, match=r"unknown Prorsa settings \['weight_root'\]"):
         settings_from({"weight_root": "/x"})
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        sampling_from_dict({"repetition_penalty": 1.2})
     with pytest.raises(ValueError, match="'n'"):
         sampling_from_dict({"n": 4})
-    # verl's worker always sends repetition_penalty=1.0: the neutral value passes.
-    params = sampling_from_dict({"repetition_penalty": 1.0, "temperature": 0.7, "logprobs": False}, 32)
+    params = sampling_from_dict({"repetition_penalty": 1.1, "temperature": 0.7, "logprobs": False}, 32)
     assert params.max_tokens == 32 and params.temperature == 0.7 and params.logprobs is False
+    assert params.repetition_penalty == 1.1  # the sampler's penalties are passed on
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -79,6 +80,7 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
+from services.runtime.affinity import worth_prompts
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -248,6 +250,14 @@ class RolloutClient:
         )
         return traj
 
+    async def close_trajectory(
+        self, traj_id: str, reward: float | None = None, status: str = "aborted"
+    ) -> None:
+        """Finish a trajectory this client does not hold (another client started it: a gateway before its restart):
+        its `TrajectoryFinished` (the tracker counts its turns) and the purge of its context log."""
+        await self.emit(TrajectoryFinished, traj_id=traj_id, status=status, reward=reward, turns=0)
+        await self.context_log.purge(traj_id)
+
     # --- the lean wire ---------------------------------------------------------------------------------------
     def check_payload(self, request: GenerateRequest) -> int:
         """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
@@ -298,7 +308,7 @@ class RolloutClient:
             stalls = 0  # retries after retry_after_s without progress; outage retries do not count
             for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                worth = request.prompt_len / new_tokens if new_tokens > 0 else 0.0
+                worth = worth_prompts(request.prompt_len, new_tokens)
                 await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline, worth)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
@@ -492,6 +502,17 @@ class RolloutClient:
         return f"{self._reply_prefix}.{n}"
 
 
+def checked_sampling(sampling: SamplingParams | dict) -> SamplingParams:
+    """`sampling` checked against the contract's bounds: a Struct's constructor does not check them, and an engine
+    would refuse the turn only once published. Raises TypeError for an unknown key of a dict, ValueError naming the
+    field for a value out of bounds (e.g. `top_logprobs` past 20)."""
+    params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+    try:
+        return msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from exc
+
+
 def _with_attempt(req: GenerateRequest, attempt: int) -> GenerateRequest:
     import msgspec
 
@@ -531,9 +552,10 @@ class Trajectory:
 
         `on_tokens` sees each new batch of output ids as it streams; `on_chunk` each new `TokenChunk` whole
         (its ids with their logprobs and version, in arrival order). `min_policy_version`: the staleness bound, the
-        oldest version whose weights may serve this turn (an engine on older weights never does). Raises
-        GenerateError when the engine rejects the turn (one is `version_unavailable`: no engine knows a version
-        that new), TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
+        oldest version whose weights may serve this turn (an engine on older weights never does). Raises ValueError
+        for sampling outside the contract's bounds (before anything is sent), GenerateError when the engine rejects
+        the turn (one is `version_unavailable`: no engine knows a version that new), TimeoutError when it makes no
+        progress (after retries) or outlasts `timeout_s`.
         """
         return await self._run_turn(
             prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk, min_policy_version
@@ -552,7 +574,7 @@ class Trajectory:
         """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+        params = checked_sampling(sampling)
         self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"

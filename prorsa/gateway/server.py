@@ -1,7 +1,8 @@
 """One gateway process: a client SDK connection to the bus, the tokenizer, and the HTTP app on uvicorn.
 
 Stateless apart from its sessions (`sessions.py`): run several behind a load balancer that keeps a session on one
-process (e.g. by the `X-Prorsa-Trajectory` header). It joins the bus as a trainer (`PRORSA_NATS_*`, e.g. the
+process (e.g. by the `X-Prorsa-Trajectory` header); a session that reaches another process, or this one after a
+restart, is refused by name (409 `session_lost`, `turns.py`), never forked. It joins the bus as a trainer (`PRORSA_NATS_*`, e.g. the
 `trainer.env` that `prorsa up` writes), and requires the API key in `PRORSA_API_KEY` when that is set; the trainer's
 control plane (`admin.py`) requires `PRORSA_ADMIN_API_KEY` when that is set.
 """

@@ -70,13 +70,12 @@ PAUSED_POLL_S = 0.5
 
 def sampling_from_gconfig(gconfig: Any, max_new_tokens: int) -> SamplingParams:
     """AReaL `GenerationHyperparameters` → SamplingParams for `max_new_tokens`. Raises ValueError for n_samples != 1
-    (AReaL's workflows send one request per sample) and for what Prorsa engines cannot honour (stop strings, a
-    frequency penalty, a minimum length, beam search)."""
+    (AReaL's workflows send one request per sample) and for what Prorsa engines cannot honour (stop strings, beam
+    search)."""
     if gconfig.n_samples != 1:
         raise ValueError(f"one request per sample: n_samples must be 1, got {gconfig.n_samples}")
-    for name, neutral in (("frequency_penalty", 0.0), ("min_new_tokens", 0), ("use_beam_search", False)):
-        if getattr(gconfig, name, neutral) != neutral:
-            raise ValueError(f"gconfig.{name} = {getattr(gconfig, name)!r}: Prorsa engines cannot honour it")
+    if getattr(gconfig, "use_beam_search", False):
+        raise ValueError("gconfig.use_beam_search: Prorsa engines sample; they do not search beams")
     if getattr(gconfig, "stop", None):
         raise ValueError(
             f"gconfig.stop = {gconfig.stop!r}: Prorsa engines stop on token ids (stop_token_ids)"
@@ -88,6 +87,8 @@ def sampling_from_gconfig(gconfig: Any, max_new_tokens: int) -> SamplingParams:
         top_k=int(gconfig.top_k),
         stop_token_ids=[int(t) for t in gconfig.stop_token_ids if t is not None],
         ignore_eos=bool(gconfig.ignore_eos),
+        frequency_penalty=float(getattr(gconfig, "frequency_penalty", 0.0)),
+        min_tokens=min(int(getattr(gconfig, "min_new_tokens", 0)), int(max_new_tokens)),
     )
 
 

@@ -24,10 +24,10 @@ Versions. Every token comes back with the policy version that produced it (`Gene
 TokenOutput's `extra_fields` carry them (`token_versions`) with verl's own `global_steps` (the last token's version),
 `min_global_steps` and `max_global_steps`, which verl's fully asynchronous trainer reads for staleness.
 
-Sampling. verl's dict (`temperature`, `top_p`, `top_k`, `max_tokens` or `max_new_tokens`, `logprobs`, `seed`, ...)
-maps onto `SamplingParams`; verl's dict carries no output budget (its own client adds `rollout.response_length`),
-so the client's `max_tokens` (default: the config's `response_length`) is that budget. What Prorsa engines cannot
-honour (a repetition penalty, n > 1, ...) raises ValueError naming the key rather than being sampled without it.
+Sampling. verl's dict (`temperature`, `top_p`, `top_k`, `repetition_penalty`, `max_tokens` or `max_new_tokens`,
+`logprobs`, `seed`, vLLM's other penalties and `min_tokens`) maps onto `SamplingParams`; verl's dict carries no
+output budget (its own client adds `rollout.response_length`), so the client's `max_tokens` (default: the config's
+`response_length`) is that budget. `n` or `best_of` above 1 raise ValueError (one request per sample).
 Multimodal inputs raise NotImplementedError: Prorsa engines take token ids.
 """
 
@@ -51,14 +51,7 @@ NOT_MODEL = -1  # the version of a response token the model did not produce
 VERL_STOP_REASON = {"stop": "completed", "length": "completed", "abort": "aborted", "error": "aborted"}
 
 # Keys of verl's (vLLM-style) sampling dict that Prorsa engines honour only at their neutral value.
-_NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "n": 1,
-    "min_tokens": 0,
-    "best_of": 1,
-}
+_NEUTRAL = {"n": 1, "best_of": 1}
 
 
 @dataclass(frozen=True)
@@ -74,13 +67,15 @@ class TokenOutput:
 
 
 def sampling_from_dict(params: dict[str, Any], default_max_tokens: int = 1024) -> SamplingParams:
-    """verl/vLLM-style sampling dict → SamplingParams. Raises ValueError for a value Prorsa engines cannot honour
-    (a repetition penalty, n > 1, ...); other unknown keys are trainer-specific extras and are ignored."""
+    """verl/vLLM-style sampling dict → SamplingParams: `temperature`, `top_p`, `top_k`, `max_tokens` or
+    `max_new_tokens`, `logprobs`, `seed`, `stop_token_ids`, `ignore_eos`, and the sampler's `repetition_penalty`,
+    `presence_penalty`, `frequency_penalty`, `min_tokens`. Raises ValueError for `n` or `best_of` above 1 (one
+    request per sample). Other keys are trainer-specific extras and are ignored."""
     for key, neutral in _NEUTRAL.items():
         value = params.get(key)
         if value is not None and float(value) != float(neutral):
             raise ValueError(
-                f"sampling_params[{key!r}] = {value!r}: Prorsa engines cannot honour it (only {neutral!r})"
+                f"sampling_params[{key!r}] = {value!r}: one request per sample (only {neutral!r})"
             )
     max_tokens = params.get("max_tokens") or params.get("max_new_tokens") or default_max_tokens
     return SamplingParams(
@@ -92,6 +87,10 @@ def sampling_from_dict(params: dict[str, Any], default_max_tokens: int = 1024) -
         logprobs=bool(params.get("logprobs", True)),
         stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
         ignore_eos=bool(params.get("ignore_eos", False)),
+        presence_penalty=float(params.get("presence_penalty", 0.0)),
+        frequency_penalty=float(params.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(params.get("repetition_penalty", 1.0)),
+        min_tokens=int(params.get("min_tokens", 0)),
     )
 
 

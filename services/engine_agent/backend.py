@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 
 
 class BackendError(RuntimeError):
@@ -76,9 +76,11 @@ class GenChunk:
     finished: bool = False  # the last chunk of the stream
     finish_reason: str = ""  # on the final chunk: "length" (max_tokens or model length) | "stop" | "abort"
     prefill: PrefillInfo | None = None  # first chunk of `generate` only
-    policy_version: int | None = (
-        None  # the weights version that sampled these tokens (None: the backend's now)
-    )
+    # Per token, the request's `sampling.top_logprobs` most likely (token id, logprob), the most likely first;
+    # None when not asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The weights version that sampled these tokens (None: the backend's now).
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +97,10 @@ class PrefillResult:
         False  # the first token ends the request (stop token, or one token left): no decode needed
     )
     finish_reason: str = ""  # when finished
-    policy_version: int | None = (
-        None  # the weights version that sampled the first token (None: the backend's now)
-    )
+    # The first token's alternatives (as GenChunk's top_logprobs); None when not asked for.
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    # The weights version that sampled the first token (None: the backend's now).
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,11 @@ class Backend(Protocol):
 
     async def check_alive(self) -> None:
         """The liveness probe: returns while the engine can serve. Raises EngineDead once it cannot."""
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        """Why this engine can never sample a turn as `sampling` asks ("" if it can): the agent fails such a turn
+        with the reason instead of running it (e.g. logprobs of another kind than the engine returns)."""
+        ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         """Prefill locally and decode; the first chunk carries `prefill` accounting."""

@@ -39,6 +39,7 @@ def token_chunk(
     policy_version: int = 0,
     now_s: float = 0.0,
     now_mono: float = 0.0,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
 ) -> TokenChunk:
     """Chunk `index` of the job's stream, its tokens sampled by `policy_version`; the final one carries the
     request's totals and latencies."""
@@ -55,6 +56,7 @@ def token_chunk(
         }
     # Logprobs only when asked for and complete (a handed-off first token may come without one).
     keep = req.sampling.logprobs and logprobs is not None and len(logprobs) == len(ids)
+    keep_top = req.sampling.top_logprobs > 0 and top_logprobs is not None and len(top_logprobs) == len(ids)
     return TokenChunk(
         request_id=req.request_id,
         index=index,
@@ -66,6 +68,7 @@ def token_chunk(
         attempt=req.attempt,
         stream=job.stream_tag,
         stream_base=req.next_chunk_index,
+        top_logprobs=[list(t) for t in top_logprobs] if keep_top and top_logprobs is not None else None,
         policy_version=policy_version,  # every chunk: the version that sampled its tokens
         **extra,
     )
@@ -116,6 +119,7 @@ def decode_handoff(
         prefill_engine=engine_id,
         first_token_id=res.first_token_id,
         first_logprob=res.first_logprob,
+        first_top_logprobs=res.first_top_logprobs,
         kv_transfer_params=res.kv_transfer_params,
         kv_tokens=job.context_tokens,
         prefill_new_tokens=res.new_tokens,

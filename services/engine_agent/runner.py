@@ -141,7 +141,10 @@ class JobRunner:
         request = work.request if isinstance(work, DecodeHandoff) else work
         seq = _stream_seq(msg)
         running = self.jobs.get(request.request_id)
-        problem = "" if running is not None else request_problem(request, self.io.backend.max_model_len)
+        problem = ""
+        if running is None:
+            problem = request_problem(request, self.io.backend.max_model_len)
+            problem = problem or self.io.backend.sampling_problem(request.sampling)
         decision = self.core.admit(
             request.request_id, seq, running.stream_seq if running is not None else None, problem
         )
@@ -378,14 +381,11 @@ class JobRunner:
             return
         if res.finished:  # the first token ends the turn: answer it here, nothing to hand off
             lps = [res.first_logprob] if res.first_logprob is not None else None
+            top = [res.first_top_logprobs] if res.first_top_logprobs is not None else None
             await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=False)
+            reason = res.finish_reason or "length"
             await self._send(
-                job,
-                [res.first_token_id],
-                lps,
-                final=True,
-                reason=res.finish_reason or "length",
-                version=version,
+                job, [res.first_token_id], lps, final=True, reason=reason, top=top, version=version
             )
             await self._finished(job, res.finish_reason or "length")
             return
@@ -421,6 +421,7 @@ class JobRunner:
             await self._hand_on(job, to_prefill=True)
             return
         lps = [h.first_logprob] if h.first_logprob is not None else None
+        top = [h.first_top_logprobs] if h.first_top_logprobs is not None else None
         job.phase = "decode"
         self.freed.set()
         final = job.output_tokens + 1 >= job.expected_tokens
@@ -430,6 +431,7 @@ class JobRunner:
             lps,
             final=final,
             reason="length" if final else "",
+            top=top,
             version=h.policy_version,
         )
         if final:
@@ -471,6 +473,7 @@ class JobRunner:
                         chunk.logprobs,
                         final=True,
                         reason=chunk.finish_reason,
+                        top=chunk.top_logprobs,
                         version=chunk.policy_version,
                     )
                     await self._finished(job, chunk.finish_reason)
@@ -478,7 +481,13 @@ class JobRunner:
                 if job.stop:
                     break  # these tokens never reach the client: the next engine generates them again
                 if chunk.token_ids:
-                    await self._send(job, chunk.token_ids, chunk.logprobs, version=chunk.policy_version)
+                    await self._send(
+                        job,
+                        chunk.token_ids,
+                        chunk.logprobs,
+                        top=chunk.top_logprobs,
+                        version=chunk.policy_version,
+                    )
                 # Let tokens accumulate in the backend: one chunk per request per interval (wall), not per token.
                 await self.io.backend.wait_output(job.request_id, self.chunk_interval_s)
         await self.io.backend.abort(job.request_id)
@@ -493,6 +502,7 @@ class JobRunner:
         logprobs: list[float] | None,
         final: bool = False,
         reason: str = "",
+        top: list[list[tuple[int, float]]] | None = None,
         version: int | None = None,
     ) -> None:
         """Publish the job's next chunk; `version`: the weights that sampled `ids` (None: the engine's now)."""
@@ -517,6 +527,7 @@ class JobRunner:
             policy_version=version,
             now_s=self.io.clock.now_s(),
             now_mono=now,
+            top_logprobs=top,
         )
         await self.io.publish(job.request.reply_to, chunk)
 

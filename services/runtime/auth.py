@@ -6,8 +6,9 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
   role         publishes (ns = namespace)                               subscribes
   trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
                ns.policy.version, ns.health (requests), ns.errors,      ns.ack.*, ns.forecast, ns.allocator.plan,
-               ns.abort, ns.ctx.> (context log; purges it);             ns.errors, ns.policy.status.*
-               reads and writes the policy KV bucket
+               ns.abort, ns.ctx.> (context log; purges it, and         ns.errors, ns.policy.status.*
+               reads it: direct get); reads and writes the policy
+               KV bucket
   engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health,
                ns.policy.status.<id>,                                   ns.abort
                ns.work.{prefill,decode}.any (handoffs, hand-on),
@@ -244,9 +245,12 @@ def _trainer(s: Subjects) -> _Grants:
             s.health,
             s.abort,
             *replay,
-            # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes.
+            # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes,
+            # and read it back: a gateway asked for a session it does not hold looks there for one a trainer
+            # opened and has not finished (another gateway's, or its own before a restart).
             *s.context_stream_subjects,
             f"{JS_API}.STREAM.PURGE.{s.context_stream}",
+            f"{JS_API}.DIRECT.GET.{s.context_stream}",
             # Weight updates and pause/resume: the policy bucket (update_weights reads it, then writes it).
             *_policy_read(s),
             *_policy_write(s),

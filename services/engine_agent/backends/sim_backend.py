@@ -25,6 +25,13 @@ time, scaled seconds (Clock.now_s)>}`: a prefill engine keeps a handed-off promp
 seconds (vLLM's NIXL connector frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by
 default); a decode that comes later finds it gone (`KvUnavailable`). The transfer itself is the core's
 (`accept_handoff`: the modelled transfer time, then the request joins the batch at a step boundary).
+
+Sampling. There are no logits: ids and logprobs are a pure function of request id and position (`SimTokens`), so
+temperature, top-k/top-p, seed and the presence, frequency and repetition penalties are accepted and change nothing
+(a sampler without logits has nothing for them to act on), and raw and processed logprobs are the same numbers.
+What can be honoured is: `min_tokens` lengthens an output the workload would end sooner (up to max_tokens and the
+model length), and `top_logprobs` returns k alternatives per token (`SimTokens.top`: deterministic, holding the
+sampled token where it ranks within the k).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -72,12 +79,13 @@ def context_tokens(request: GenerateRequest) -> int:
 
 
 def output_end(request: GenerateRequest, max_model_len: int) -> tuple[int, str]:
-    """(whole-turn output length, finish reason): the workload's `sim_output_tokens` (else max_tokens), capped by
-    max_tokens and the model length. "length" when a cap ends it, else "stop" (as if the model sampled EOS)."""
+    """(whole-turn output length, finish reason): the workload's `sim_output_tokens` (else max_tokens), at least
+    `min_tokens` (no stop before it), capped by max_tokens and the model length. "length" when a cap ends it, else
+    "stop" (as if the model sampled EOS)."""
     max_tokens = request.sampling.max_tokens
     cap = min(max_tokens, max(0, max_model_len - request.prompt_len))
     want = request.sim_output_tokens if request.sim_output_tokens > 0 else max_tokens
-    end = min(want, cap)
+    end = min(max(want, request.sampling.min_tokens), cap)
     return end, "length" if end == cap else "stop"
 
 
@@ -108,6 +116,7 @@ class LiveSeq(CoreSeq):
         "end_reason",
         "tokens",
         "want_logprobs",
+        "top_k",
         "next_pos",
     )
     __slots__ += ("prefilled", "prefill_info", "done", "aborted", "version_marks")
@@ -139,6 +148,7 @@ class LiveSeq(CoreSeq):
         self.end_reason = reason
         self.tokens = SimTokens(request.request_id, vocab_size)
         self.want_logprobs = request.sampling.logprobs
+        self.top_k = request.sampling.top_logprobs  # alternatives per token (0: none)
         self.next_pos = first_pos + 1 if mode == "decode" else first_pos  # the next position to stream
         self.prefilled = mode == "decode"  # its first token is out
         self.prefill_info: PrefillInfo | None = None  # for the stream's first chunk (generate)
@@ -223,6 +233,10 @@ class SimBackend:
         if task is not None and task.done():
             error = None if task.cancelled() else task.exception()
             raise EngineDead(f"simulated engine {self.engine_id}: engine loop ended ({error!r})")
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        # Everything a SamplingParams can hold is taken (see "Sampling" in the module doc): nothing refused.
+        return ""
 
     async def close(self) -> None:
         if self._task is not None:
@@ -422,6 +436,7 @@ class SimBackend:
             PrefillResult(
                 first_token_id=token,
                 first_logprob=logprob if seq.want_logprobs else None,
+                first_top_logprobs=seq.tokens.top(seq.first_pos, seq.top_k) if seq.top_k else None,
                 kv_transfer_params={
                     "sim_engine": self.engine_id,
                     "sim_expires_s": self.clock.now_s() + self._scaled_s(self.kv_ttl_s),
@@ -507,6 +522,9 @@ class SimBackend:
                             finished=finished and last,
                             finish_reason=seq.end_reason if finished and last else "",
                             prefill=info if i == 0 else None,
+                            top_logprobs=[seq.tokens.top(p, seq.top_k) for p in range(lo, hi)]
+                            if seq.top_k
+                            else None,
                             policy_version=version,
                         )
                     if finished:

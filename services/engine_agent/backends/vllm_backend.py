@@ -21,6 +21,15 @@ engine has claimed yet included, as vLLM keeps them allocated) and its preemptio
 `prefix_cache_tokens` is counted here: the contexts of the trajectories this engine served last (the newest
 first, each trajectory once), as many tokens as its KV cache holds — the LRU order in which vLLM evicts them.
 
+Sampling. A turn's `SamplingParams` map onto vLLM's: temperature, top-p/top-k, seed, stop token ids, ignore_eos,
+the presence, frequency and repetition penalties, `min_tokens` and `top_logprobs` (vLLM's `logprobs=k`). Counts
+that vLLM keeps per request start at this engine's first output token: `min_tokens` is reduced by the tokens a
+migrated request already streamed, and its presence/frequency penalties do not count those (vLLM sees them as
+prompt; the repetition penalty, which counts the prompt too, does). A decode after a handoff samples the first
+token again, so its counts are whole. Which logprobs come back is vLLM's engine-wide `logprobs_mode` (an engine
+argument; raw_logprobs by default): a turn asking for the other kind is refused by `sampling_problem`, as is one
+asking for more alternatives than `max_logprobs`.
+
 Weights. A load pauses the engine (vLLM's "keep" mode: requests freeze between two steps), replaces the weights
 from a checkpoint or through vLLM's weight-transfer API, labels the steps after it with the new policy version and
 resumes (`vllm_weights`); each stream's chunks are cut where vLLM's labels change, so none spans two versions. A
@@ -43,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -146,6 +155,7 @@ class VllmBackend:
         return end - len(request.resume_token_ids)
 
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
+        """The engine's sampling keywords for one call, whose output starts at position len(resume)."""
         s = request.sampling
         return {
             "temperature": s.temperature,
@@ -154,7 +164,25 @@ class VllmBackend:
             "logprobs": s.logprobs,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "min_tokens": max(0, s.min_tokens - len(request.resume_token_ids)),
+            "top_logprobs": s.top_logprobs,
         }
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        """See "Sampling" in the module doc."""
+        mode = self.engine.logprobs_mode
+        if sampling.logprobs_mode and sampling.logprobs_mode != mode:
+            return (
+                f"logprobs_mode {sampling.logprobs_mode!r} asked for, but engine {self.engine.config.engine_id} "
+                f"returns {mode!r} (vLLM's engine argument logprobs_mode)"
+            )
+        cap = self.engine.max_logprobs
+        if 0 <= cap < sampling.top_logprobs:
+            return f"top_logprobs {sampling.top_logprobs} exceeds the engine's max_logprobs {cap}"
+        return ""
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         context = _context(request)
@@ -205,6 +233,7 @@ class VllmBackend:
         return PrefillResult(
             first_token_id=h.first_token_id,
             first_logprob=h.first_logprob,
+            first_top_logprobs=h.first_top_logprobs,
             kv_transfer_params=h.kv_transfer_params,
             new_tokens=h.num_prompt_tokens - h.num_cached_tokens,
             cached_tokens=h.num_cached_tokens,
@@ -222,12 +251,14 @@ class VllmBackend:
         reason = _finish_reason(last)
         tokens = [t for c in chunks for t in c.token_ids]
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        tops = [t for c in chunks for t in (c.top_logprobs or [])]
         versions = [v for c in chunks for v in (c.token_versions or [])]
         if reason == "abort" or not tokens:
             raise RequestAborted(f"prefill {request.request_id} aborted")
         return PrefillResult(
             first_token_id=tokens[0],
             first_logprob=logprobs[0] if logprobs else None,
+            first_top_logprobs=tops[0] if tops else None,
             kv_transfer_params=None,
             new_tokens=len(context) - last.num_cached_tokens,
             cached_tokens=last.num_cached_tokens,
@@ -309,6 +340,7 @@ class VllmBackend:
         last may be final. Tokens vLLM did not label are stamped with the version serving now."""
         ids = chunk.token_ids[skip:]
         lps = chunk.logprobs[skip:] if chunk.logprobs is not None else None
+        tops = chunk.top_logprobs[skip:] if chunk.top_logprobs is not None else None
         versions = (chunk.token_versions or [])[skip:]
         if len(versions) != len(ids):
             versions = [self.policy_version] * len(ids)
@@ -327,6 +359,7 @@ class VllmBackend:
                 lps[a:b] if lps is not None else None,
                 finished=chunk.finished and k == len(runs) - 1,
                 finish_reason=reason if k == len(runs) - 1 else "",
+                top_logprobs=tops[a:b] if tops is not None else None,
                 policy_version=v,
             )
             for k, (a, b, v) in enumerate(runs)

@@ -116,6 +116,7 @@ class PrefillHandoff:
 
     first_token_id: int
     first_logprob: float | None
+    first_top_logprobs: list[tuple[int, float]] | None  # its k most likely alternatives (top_logprobs > 0)
     kv_transfer_params: dict[str, Any]  # give verbatim to `decode_from_remote` on the decode engine
     seed: int  # the sampling seed used; the decode engine must use the same one
     num_prompt_tokens: int
@@ -147,6 +148,10 @@ class VllmEngine:
         # What two engines must share for one to read the other's KV (checked on every handoff, before NIXL's
         # own handshake would fail it): vLLM version, model, dtype, block size, tensor parallelism.
         self.compat = ""
+        # The logprobs it returns (vLLM's engine-wide `logprobs_mode`) and the most top-k alternatives a request
+        # may ask for (`max_logprobs`): vLLM's defaults until started.
+        self.logprobs_mode = "raw_logprobs"
+        self.max_logprobs = 20
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
         self._transfer_ready = False  # joined the trainer's weight-transfer group
@@ -199,6 +204,8 @@ class VllmEngine:
         self.max_model_len = int(vc.model_config.max_model_len)
         self.max_num_seqs = int(vc.scheduler_config.max_num_seqs)
         self.dp_size = int(parallel.data_parallel_size)
+        self.logprobs_mode = str(vc.model_config.logprobs_mode)
+        self.max_logprobs = int(vc.model_config.max_logprobs)
         import vllm
 
         parts = (
@@ -304,11 +311,29 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         """Prefill locally and decode up to `max_tokens` tokens, streaming chunks (the last has finished=True).
-        `dp_key` (the trajectory): which data-parallel rank serves it (`dp_rank_for`)."""
+        `dp_key` (the trajectory): which data-parallel rank serves it (`dp_rank_for`). `min_tokens` counts this
+        call's output; `top_logprobs` > 0 streams each token's k most likely alternatives (`EngineChunk`)."""
         params = self._sampling(
-            max_tokens, temperature, top_p, top_k, seed, logprobs, stop_token_ids, ignore_eos, None
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            top_logprobs=top_logprobs,
         )
         return self._stream(request_id, prompt_token_ids, params, dp_key)
 
@@ -325,21 +350,32 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> PrefillHandoff:
-        """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull.
+        """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull. `min_tokens` >
+        0 keeps that token from being a stop token (it is this call's whole output).
 
         Raises RequestAborted after `abort(request_id)`, BackendError when the engine fails the request."""
         seed = request_seed(request_id) if seed is None else seed
         params = self._sampling(
-            1,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            logprobs,
-            stop_token_ids,
-            ignore_eos,
-            {"do_remote_decode": True},
+            max_tokens=1,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            kv_transfer_params={"do_remote_decode": True},
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min(min_tokens, 1),
+            top_logprobs=top_logprobs,
         )
         last: EngineChunk | None = None
         async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
@@ -351,6 +387,7 @@ class VllmEngine:
         return PrefillHandoff(
             first_token_id=last.token_ids[0],
             first_logprob=last.logprobs[0] if last.logprobs else None,
+            first_top_logprobs=last.top_logprobs[0] if last.top_logprobs else None,
             kv_transfer_params={**last.kv_transfer_params, COMPAT_KEY: self.compat},
             seed=seed,
             num_prompt_tokens=last.num_prompt_tokens,
@@ -375,6 +412,11 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         """Pull the prompt's KV from the prefill engine and decode; output starts with the first token again.
 
@@ -390,15 +432,20 @@ class VllmEngine:
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != COMPAT_KEY}
         seed = request_seed(request_id) if seed is None else seed
         params = self._sampling(
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            logprobs,
-            stop_token_ids,
-            ignore_eos,
-            dict(kv_transfer_params),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            kv_transfer_params=dict(kv_transfer_params),
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            top_logprobs=top_logprobs,
         )
         first = True
         async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
@@ -498,6 +545,7 @@ class VllmEngine:
 
     @staticmethod
     def _sampling(
+        *,
         max_tokens: int,
         temperature: float,
         top_p: float,
@@ -506,7 +554,12 @@ class VllmEngine:
         logprobs: bool,
         stop_token_ids: list[int] | None,
         ignore_eos: bool,
-        kv_transfer_params: dict[str, Any] | None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -517,9 +570,14 @@ class VllmEngine:
             top_p=top_p,
             top_k=top_k,
             seed=seed,
-            logprobs=0 if logprobs else None,  # 0: only the sampled token's logprob
+            # k: the top k and the sampled token's logprob (vLLM adds it when it ranks lower); 0: the sampled only
+            logprobs=top_logprobs if top_logprobs > 0 else (0 if logprobs else None),
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min(min_tokens, max_tokens),  # vLLM refuses more than max_tokens
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
@@ -532,7 +590,7 @@ class VllmEngine:
 
         llm = self._engine()
         t0 = time.perf_counter()
-        state = StreamState(request_id, len(prompt_token_ids))
+        state = StreamState(request_id, len(prompt_token_ids), top_logprobs=params.logprobs or 0)
         outputs = llm.generate(
             TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
             params,
