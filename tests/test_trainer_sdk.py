@@ -68,6 +68,27 @@ async def test_a_session_is_its_own_connection_and_closes(engines: str) -> None:
     await conn.close()
 
 
+def test_close_all_closes_a_client_in_another_threads_running_loop(engines: str) -> None:
+    """AReaL's executor runs episodes in a thread of its own: `destroy` closes that loop's client from outside."""
+    import threading
+
+    conn = Connection(engines, time_scale=20.0, discovery_s=0.0)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        client = asyncio.run_coroutine_threadsafe(conn.client(), loop).result(30)
+        assert client.nc.is_connected
+        conn.close_all()
+        assert client.nc.is_closed
+        assert asyncio.run_coroutine_threadsafe(conn.client(), loop).result(30) is not client  # a new one
+        conn.close_all()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 def test_a_connection_needs_a_url(monkeypatch) -> None:
     monkeypatch.delenv("PRORSA_NATS_URL", raising=False)
     with pytest.raises(NoClusterError, match="PRORSA_NATS_URL"):

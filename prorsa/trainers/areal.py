@@ -202,7 +202,10 @@ class ProrsaInferenceEngine(InferenceEngine):
         self._initialized = True
 
     def destroy(self) -> None:
+        """Close the rollout thread's connection (while its loop still runs), then stop AReaL's executor."""
         self._initialized = False
+        if self.connection is not None:
+            self.connection.close_all()
         if self._executor is not None:
             self._executor.destroy()
 

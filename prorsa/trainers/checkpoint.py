@@ -59,6 +59,9 @@ def save_checkpoint(
             ):
                 shutil.copy2(item, tmp / item.name)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # Readable by engines running as another user, as the copied files are (safetensors writes 0600).
+        os.chmod(tmp / "model.safetensors", 0o644)
+        os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

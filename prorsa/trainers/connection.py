@@ -141,6 +141,25 @@ class Connection:
         if have is not None and have.loop is loop:
             await have.client.close()
 
+    def close_all(self, timeout_s: float = 5.0) -> None:
+        """From a thread without a running loop of ours: close the clients of the loops still running in other
+        threads (AReaL's rollout thread at `destroy`), each in its own loop, waiting up to `timeout_s` for each. A
+        client whose loop has stopped cannot be closed any more; its socket goes with the process."""
+        self._own()
+        try:
+            mine = asyncio.get_running_loop()
+        except RuntimeError:
+            mine = None
+        for key, have in list(self._clients.items()):
+            if have.loop is mine:
+                continue  # waiting here on our own loop would deadlock: `await close()` closes this one
+            if have.loop.is_running() and not have.loop.is_closed():
+                future = asyncio.run_coroutine_threadsafe(have.client.close(), have.loop)
+                with contextlib.suppress(TimeoutError):  # a wedged loop must not hang the trainer's shutdown
+                    future.result(timeout_s)
+            self._clients.pop(key, None)
+            self._locks.pop(key, None)
+
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Any]:
         """A `RolloutClient` of its own for one operation, closed when the block ends."""
