@@ -3,8 +3,8 @@
     .venv-trainers/bin/python -m tests.trainers.verl_rl_steps --workdir DIR    # after `source trainer.env`
 
 Runs in the trainers' environment (`make trainers`), as a verl trainer's driver does, under `ray.init(num_cpus=2)`:
-verl's config (its own `ppo_trainer` defaults, composed by hydra, with `rollout.name=prorsa`), verl's replica
-lookup (`get_rollout_replica_class("prorsa")`), verl's own `AgentLoopManager` with two `AgentLoopWorker` Ray
+verl's config (its own `ppo_trainer` defaults, composed by hydra, with `rollout.name=prorsa`), verl's own
+`LLMServerManager` building the replica from its registry, verl's own `AgentLoopManager` with two `AgentLoopWorker` Ray
 actors, each unpickling the `ProrsaLLMClient` and connecting from its own process. The batch mixes verl's
 `single_turn_agent` and `tool_agent`, both wrapped by `ProrsaAgentLoop`. Between the steps the "trainer" changes
 the weights and the replica writes them under the weights root and waits for every engine to serve version 1.
@@ -81,6 +81,8 @@ def verl_config(model_dir: Path, loops: Path, tools: Path, weights_root: Path) -
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.rollout.name=prorsa",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.nnodes=1",  # standalone: one replica of one "GPU" (it holds none)
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.rollout.prompt_length=256",
         "actor_rollout_ref.rollout.response_length=256",
@@ -145,7 +147,7 @@ def new_weights(model_dir: Path, step: int) -> dict[str, Any]:
 def main(workdir: Path) -> dict[str, Any]:
     import ray
     from verl.experimental.agent_loop import AgentLoopManager
-    from verl.workers.rollout.replica import get_rollout_replica_class
+    from verl.workers.rollout.llm_server import LLMServerManager
 
     import prorsa.trainers.verl_replica  # noqa: F401 - registers rollout.name=prorsa, as a trainer's entry point does
     from prorsa.trainers.verl import ProrsaLLMClient
@@ -155,17 +157,8 @@ def main(workdir: Path) -> dict[str, Any]:
     loops, tools = write_registries(workdir)
     config = verl_config(model_dir, loops, tools, weights_root)
 
-    replica = get_rollout_replica_class(config.actor_rollout_ref.rollout.name)(
-        replica_rank=0,
-        config=config.actor_rollout_ref.rollout,
-        model_config=config.actor_rollout_ref.model,
-        gpus_per_node=1,
-    )
-    asyncio.run(replica.init_standalone())
     client = ProrsaLLMClient.from_config(config)
     client.max_tokens = TURN_TOKENS
-    out: dict[str, Any] = {"replica": type(replica).__name__, "server_address": replica.server_address}
-
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -173,6 +166,11 @@ def main(workdir: Path) -> dict[str, Any]:
         runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VERL_LOGGING_LEVEL": "ERROR"}},
     )
     try:
+        # verl's own server manager builds the replicas of `rollout.name` from its registry (RayPPOTrainer does
+        # the same with its actor worker group: init_hybrid instead of init_standalone).
+        servers = LLMServerManager.create(config=config)
+        (replica,) = servers.get_replicas()
+        out: dict[str, Any] = {"replica": type(replica).__name__, "server_address": replica.server_address}
         manager = AgentLoopManager.create(config=config, llm_client=client)
         t0 = time.monotonic()
         out["step1"] = summary(manager.generate_sequences(batch_of(AGENTS)))
