@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, _agent_loop_registry
+from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopOutput, _agent_loop_registry
 
 from prorsa.trainers.verl import CURRENT_EPISODE, Episode, ProrsaLLMClient, response_versions
 
@@ -73,3 +73,23 @@ class ProrsaAgentLoop:
             output.extra_fields["max_global_steps"] = max(versions)
         await self.client.finish_episode(episode, reward=output.reward_score)
         return output
+
+
+class ProrsaAgentLoopManager(AgentLoopManager):
+    """verl's `AgentLoopManager`, handed Prorsa's client whatever client it is given.
+
+    verl's own trainer (`RayPPOTrainer`) builds the manager's `llm_client` from its `LLMServerManager`, a client of
+    verl-launched servers, which a Prorsa replica does not launch. Naming this class in
+    `actor_rollout_ref.rollout.agent.agent_loop_manager_class` swaps in `ProrsaLLMClient.from_config(config)`;
+    everything else is verl's."""
+
+    def __init__(
+        self,
+        config: Any,
+        llm_client: Any = None,
+        teacher_client: Any = None,
+        reward_loop_worker_handles: Any = None,
+    ) -> None:
+        if not isinstance(llm_client, ProrsaLLMClient):
+            llm_client = ProrsaLLMClient.from_config(config)
+        super().__init__(config, llm_client, teacher_client, reward_loop_worker_handles)

@@ -41,16 +41,17 @@ def _accepts(theirs: Any, ours: Any, label: str) -> list[str]:
 
 
 def verl_problems() -> list[str]:
-    from verl.experimental.agent_loop.agent_loop import AgentLoopBase
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopManager
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.replica import RolloutReplica
     from verl.workers.rollout.replica import TokenOutput as VerlTokenOutput
 
     from prorsa.trainers.verl import ProrsaLLMClient, TokenOutput
-    from prorsa.trainers.verl_agent_loop import ProrsaAgentLoop
+    from prorsa.trainers.verl_agent_loop import ProrsaAgentLoop, ProrsaAgentLoopManager
     from prorsa.trainers.verl_replica import ProrsaReplica
 
     out = _accepts(LLMServerClient.generate, ProrsaLLMClient.generate, "verl LLMServerClient.generate")
+    out += _accepts(AgentLoopManager.__init__, ProrsaAgentLoopManager.__init__, "verl AgentLoopManager()")
     out += _accepts(AgentLoopBase.run, ProrsaAgentLoop.run, "verl AgentLoopBase.run")
     their_fields = set(VerlTokenOutput.model_fields)
     our_fields = {f.name for f in dataclasses.fields(TokenOutput)}
@@ -119,8 +120,26 @@ def areal_problems() -> list[str]:
     return out
 
 
+def swap_problems() -> list[str]:
+    """What verl's trainer does with `agent_loop_manager_class`: load the class by name and build it with the
+    client of its LLMServerManager; ours must end up holding Prorsa's client (built from the config)."""
+    from omegaconf import OmegaConf
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from prorsa.trainers.verl import ProrsaLLMClient
+
+    fqn = "prorsa.trainers.verl_agent_loop.ProrsaAgentLoopManager"
+    rollout = {"response_length": 48, "custom": {"prorsa": {"nats_url": "nats://127.0.0.1:1", "task": "t"}}}
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout, "model": {}}})
+    manager = load_class_from_fqn(fqn, "AgentLoopManager")(config=config, llm_client=object())
+    client = manager.llm_client
+    if not isinstance(client, ProrsaLLMClient) or client.max_tokens != 48 or client.task != "t":
+        return [f"ProrsaAgentLoopManager did not swap in Prorsa's client from the config: {client!r}"]
+    return []
+
+
 if __name__ == "__main__":
-    problems = verl_problems() + areal_problems()
+    problems = verl_problems() + areal_problems() + swap_problems()
     for line in problems:
         print(line)
     print(f"{len(problems)} mismatches between prorsa.trainers and the installed verl/AReaL")
