@@ -14,11 +14,13 @@ import pytest
 
 import proto
 from prorsa.client import RolloutClient
-from prorsa.client.adapters import MultiTurnWorkflow, VerlServerManager
+from prorsa.client.adapters import MultiTurnWorkflow
 from prorsa.client.workload_hint import WorkloadHint, generate_hinted
 from prorsa.rollout.live_driver import RolloutConfig, RolloutDriver
 from prorsa.sim.fixed_workload import FixedWorkload
 from prorsa.sim.runner import SimConfig, run_simulation, simulate
+from prorsa.trainers.connection import Connection
+from prorsa.trainers.verl import ProrsaLLMClient
 from prorsa.workload.types import TrajectorySpec, Turn
 from proto import SamplingParams, TrajectoryFinished, TrajectoryStarted, TurnSubmitted
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan
@@ -88,17 +90,22 @@ async def test_every_trajectory_completes_exactly_once(system, mode: str) -> Non
     assert driver.version == 2  # one weights update per step
 
 
-async def test_verl_and_areal_shaped_adapters(system) -> None:
+async def test_verl_shaped_client_and_multi_turn_workflow(system, nats_server) -> None:
     client, log, _ = system
-    verl = VerlServerManager(client, task="coding")
+    conn = Connection(nats_server.url, time_scale=20.0, client_options={"retry_after_s": 60.0})
+    verl = ProrsaLLMClient(conn, task="coding")
     ids = list(range(1, 500))
     for _ in range(3):  # verl reuses the request id across the turns of one trajectory
         out = await verl.generate(
             "req/7", prompt_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 1}
         )
         assert len(out.token_ids) == 16 and out.log_probs is not None and len(out.log_probs) == 16
+        assert out.extra_fields["token_versions"] == [0] * 16
         ids = ids + out.token_ids + [5, 6, 7]
+    traj_id = verl.trajectories["req/7"].traj_id
+    assert traj_id.startswith("req-7-")  # subject-safe, with a nonce: verl reuses request ids across steps
     await verl.finish("req/7", reward=1.0)
+    await conn.close()
 
     class Env:
         def __init__(self) -> None:
@@ -114,7 +121,7 @@ async def test_verl_and_areal_shaped_adapters(system) -> None:
     assert len(rec.ids) == len(rec.loss_mask) == 99 + 12 + 20 + 12
     assert sum(rec.loss_mask) == 24
     await asyncio.sleep(0.3)
-    assert log.count(TurnSubmitted)["req-7"] == 3 and log.count(TrajectoryFinished)["req-7"] == 1
+    assert log.count(TurnSubmitted)[traj_id] == 3 and log.count(TrajectoryFinished)[traj_id] == 1
 
 
 @pytest.mark.parametrize(

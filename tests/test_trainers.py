@@ -1,85 +1,138 @@
-"""Real trainers on the bus: verl's own agent loops (0.9.1) through `VerlServerManager` and AReaL's own multi-turn
-rollout workflow (1.0.4) through `ProrsaWorkflow`, on a live cluster of simulated engines, plus a check of our
-adapters' signatures against the installed libraries so that a new release's drift is caught.
+"""verl and AReaL under their own orchestration on a Prorsa cluster, across a weight update, with authentication on.
 
-verl and AReaL live in their own environment, `.venv-trainers` (`make trainers`, which `make test` runs first):
-their dependency sets clash with ours. The trainer side runs there as a subprocess with the repository on its
-path and reaches the cluster over NATS, as a trainer would; this side starts the cluster and checks, with the strict
-Python codec, what the trainer put on the bus. Skipped, saying so, where that environment has not been built.
+verl (0.9.1): its own `AgentLoopManager` with two `AgentLoopWorker` Ray actors under `ray.init(num_cpus=2)`, the
+`ProrsaLLMClient` pickled into each, verl's `single_turn_agent` and `tool_agent` wrapped by `ProrsaAgentLoop`, the
+`prorsa` rollout replica found through verl's registry (tests/trainers/verl_rl_steps.py). AReaL (1.0.4): its own
+`WorkflowExecutor` over `ProrsaInferenceEngine`, running its `MultiTurnWorkflow` and grouped `RLVRWorkflow`, the
+weight update in the order AReaL's trainer calls the engine (tests/trainers/areal_rl_steps.py). Each runs two steps
+with a weight update (version 0 → 1) between them, then loops or a workflow that crash after their first turn.
+
+The cluster is `prorsa up` as a user starts it (embedded nats-server with per-role credentials, tracker,
+forecaster, allocator, two simulated engines, PRORSA_WEIGHTS_ROOT). The trainers run in their own environment
+(`.venv-trainers`, `make trainers`; their dependency sets clash with ours) as subprocesses with `trainer.env`'s
+credentials; this side watches the bus with the operator's and checks, with the strict codec, that every trajectory
+they started was finished exactly once (the crashed ones as aborted), that every token of step 1 is version 0 and
+every token of step 2 version 1, and that no service answered anything with an error. Skipped, saying so, where
+the trainers' environment has not been built.
+
+`PRORSA_TRAINERS_PYTHON` names another trainers' interpreter (default: .venv-trainers/bin/python here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import nats
 import pytest
 
 import proto
-from prorsa.system import System, SystemConfig
 from proto import ErrorReply, RequestFinished, Subjects, TrajectoryFinished, TrajectoryStarted, TurnSubmitted
+from services.runtime.bus import connect
+from services.runtime.credentials import BusCredentials
 
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ROOT / ".venv-trainers" / "bin" / "python"
 TIME_SCALE = "20"
 
 
-def _trainer_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT), PRORSA_TIME_SCALE=TIME_SCALE, VERL_LOGGING_LEVEL="ERROR")
+def _trainers_python() -> Path:
+    return Path(os.environ.get("PRORSA_TRAINERS_PYTHON") or ROOT / ".venv-trainers" / "bin" / "python")
 
 
 @pytest.fixture(scope="module")
 def trainers_python() -> str:
-    if not (ROOT / ".venv-trainers" / ".installed").exists():
-        pytest.skip("verl/AReaL environment not built: run `make trainers` (`make test` does)")
-    return str(PYTHON)
+    python = _trainers_python()
+    if not (python.parent.parent / ".installed").exists():
+        pytest.skip(
+            f"verl/AReaL environment not built at {python.parent.parent}: run `make trainers` (`make test` does)"
+        )
+    return str(python)
 
 
-@pytest.fixture(scope="module")
-def cluster(trainers_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Embedded NATS, tracker, forecaster, allocator (colocated: engines keep their role) and two sim engines."""
-    from prorsa.commands.up import wait_healthy
+@dataclass(frozen=True)
+class Cluster:
+    url: str
+    secrets: Path
+    weights_root: Path
 
-    previous = os.environ.get("PRORSA_TIME_SCALE")
-    os.environ["PRORSA_TIME_SCALE"] = TIME_SCALE  # the children inherit it; restored below
-    config = SystemConfig(
-        # An open server: this test is about the trainer's use of the subjects, not credentials (the Node
-        # client and the trainers' environment carry no nkey support yet; tests/test_bus_security*.py cover auth).
-        auth=False,
-        engines=2,
-        extra_service_args={"allocator": ["--policy", "colocated"]},
-        log_dir=str(tmp_path_factory.mktemp("trainers-cluster")),
+    def env_file(self, user: str) -> dict[str, str]:
+        """The variables `source <secrets>/<user>.env` sets."""
+        out = {}
+        for line in (self.secrets / f"{user}.env").read_text().splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            out[key] = shlex.split(value)[0]
+        return out
+
+    def credentials(self, user: str) -> BusCredentials:
+        return BusCredentials.from_env(self.env_file(user))
+
+
+@pytest.fixture
+def cluster(trainers_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """`prorsa up` with authentication on (its default), two simulated engines and a weights root; one per test:
+    each trainer starts from policy version 0, as on a cluster of its own."""
+    base = tmp_path_factory.mktemp("trainers-cluster")
+    weights_root = base / "weights"
+    weights_root.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORSA_NATS_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+        PRORSA_TIME_SCALE=TIME_SCALE,
+        PRORSA_WEIGHTS_ROOT=str(weights_root),
     )
-    system = System(config).start()
+    cmd = [sys.executable, "-m", "prorsa", "up", "--engines", "2", "--gateway-port", "-1"]
+    cmd += ["--log-dir", str(base / "logs"), "--secrets-dir", str(base / "secrets")]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        expected = system.expected_services()
-        replies = asyncio.run(wait_healthy(system.url, "prorsa", expected, timeout_s=120.0))
-        assert sorted(r.service for r in replies if r.status == "ok") == sorted(expected)
-        yield system.url
+        url, lines = None, []
+        deadline = time.monotonic() + 120
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if m := re.match(r"nats: (\S+)", line):
+                url = m.group(1)
+            if line.startswith("up:"):
+                break
+        assert url and lines[-1].startswith("up: 5/5 services healthy"), "".join(lines)
+        yield Cluster(url, base / "secrets", weights_root)
     finally:
-        system.stop()
-        if previous is None:
-            os.environ.pop("PRORSA_TIME_SCALE", None)
-        else:
-            os.environ["PRORSA_TIME_SCALE"] = previous
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        proc.communicate(timeout=60)
 
 
 class BusLog:
-    """The trainer's lifecycle events, the engines' finished requests and any error reply, decoded strictly."""
+    """What the trainers' runs put on the bus, decoded strictly, as the operator sees it."""
 
     def __init__(self) -> None:
         self.lifecycle: list[proto.Message] = []
         self.finished: list[RequestFinished] = []
         self.errors: list[ErrorReply] = []
 
-    async def attach(self, nc: nats.NATS) -> None:
+    async def attach(self, nc) -> None:  # noqa: ANN001
         s = Subjects()
 
         async def on_lifecycle(msg) -> None:  # noqa: ANN001
@@ -98,32 +151,58 @@ class BusLog:
         await nc.subscribe(s.errors, cb=on_error)
         await nc.flush()
 
-    def of(self, source: str, cls: type) -> list:
-        return [e for e in self.lifecycle if e.source == source and isinstance(e, cls)]
+    def started(self, task: str) -> dict[str, TrajectoryStarted]:
+        return {e.traj_id: e for e in self.lifecycle if isinstance(e, TrajectoryStarted) and e.task == task}
+
+    def of(self, cls: type, trajectories: dict) -> list:
+        return [e for e in self.lifecycle if isinstance(e, cls) and e.traj_id in trajectories]
 
 
-async def _run_trainer(python: str, module: str, url: str) -> tuple[dict, BusLog]:
-    nc = await nats.connect(url)
+async def _run_trainer(python: str, module: str, cluster: Cluster, workdir: Path) -> tuple[dict, BusLog]:
+    nc = await connect(cluster.url, "test-observer", credentials=cluster.credentials("operator"))
     log = BusLog()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRORSA_NATS_")}
+    env.update(
+        cluster.env_file("trainer")
+    )  # the trainer's nkey, inbox prefix and URL: what `source` would set
+    env.update(
+        PYTHONPATH=str(ROOT),
+        PRORSA_TIME_SCALE=TIME_SCALE,
+        PRORSA_WEIGHTS_ROOT=str(cluster.weights_root),
+        VERL_LOGGING_LEVEL="ERROR",
+        RAY_DEDUP_LOGS="1",
+    )
     try:
         await log.attach(nc)
         proc = await asyncio.create_subprocess_exec(
-            python, "-m", module, "--nats", url, cwd=ROOT, env=_trainer_env(),
+            python, "-m", module, "--workdir", str(workdir), cwd=ROOT, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 240)
-        assert proc.returncode == 0, stdout.decode() + stderr.decode()
+        assert proc.returncode == 0, stdout.decode()[-3000:] + stderr.decode()[-6000:]
         await asyncio.sleep(0.5)  # the last events reach the log
     finally:
         await nc.close()
     return json.loads(stdout.decode().strip().splitlines()[-1]), log
 
 
-def test_adapters_match_the_installed_verl_and_areal(trainers_python: str) -> None:
+def _check_lifecycle(log: BusLog, task: str, expected: int, aborted: int) -> dict[str, TrajectoryFinished]:
+    """Every trajectory of `task` started once and finished exactly once; `aborted` of them as aborted."""
+    started = log.started(task)
+    assert len(started) == expected, sorted(started)
+    finished = collections.Counter(e.traj_id for e in log.of(TrajectoryFinished, started))
+    assert finished == dict.fromkeys(started, 1), f"not finished exactly once: {finished}"
+    ends = {e.traj_id: e for e in log.of(TrajectoryFinished, started)}
+    assert sum(1 for e in ends.values() if e.status == "aborted") == aborted
+    assert log.errors == []
+    return ends
+
+
+def test_our_integrations_match_the_installed_verl_and_areal(trainers_python: str) -> None:
     out = subprocess.run(
         [trainers_python, "-m", "tests.trainers.signatures"],
         cwd=ROOT,
-        env=_trainer_env(),
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=240,
@@ -132,47 +211,73 @@ def test_adapters_match_the_installed_verl_and_areal(trainers_python: str) -> No
     assert "0 mismatches" in out.stdout
 
 
-async def test_verl_agent_loops_run_on_prorsa(trainers_python: str, cluster: str) -> None:
-    out, log = await _run_trainer(trainers_python, "tests.trainers.verl_agent_loop", cluster)
-    single, tool = out["single"], out["tool"]
-    # SingleTurnAgentLoop: one prompt, one generation of the adapter's budget, every token with its logprob.
-    assert single["response_ids"] == single["response_mask_ones"] == single["logprobs"] == 16
-    assert single["num_turns"] == 2
-    # ToolAgentLoop: three generations of 24 tokens, two tool calls whose observations verl merged in (mask 0).
-    assert tool["tool_calls"] == 2 and tool["tool_rewards"] == [0.5, 0.5] and tool["num_turns"] == 6
-    assert tool["response_mask_ones"] == 3 * 24 and tool["response_ids"] > 3 * 24 + 2 * 40
-    # One Prorsa trajectory across verl's turns: each turn found the previous context cached on its engine.
-    assert tool["engines"][1:] == tool["prefill_engines"][:-1]
-    for k in (1, 2):
-        assert tool["cached_tokens"][k] == tool["prompt_tokens"][k - 1] + 24, tool
+async def test_verl_agent_loop_manager_across_a_weight_update(
+    trainers_python: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    out, log = await _run_trainer(trainers_python, "tests.trainers.verl_rl_steps", cluster, tmp_path)
+    assert out["replica"] == "ProrsaReplica" and out["server_address"] == cluster.url
+    # The barrier returned once the live engines (both, unless a loaded machine delayed one's reports past the
+    # liveness bound) served version 1, loaded from the checkpoint the replica wrote.
+    ack = out["ack"]
+    assert ack["version"] == 1 and ack["engines"], ack
+    assert set(ack["engines"]) <= {"engine-0", "engine-1"} and min(ack["engines"].values()) >= 1, ack
+    assert Path(out["ack"]["source"]) == cluster.weights_root / "global_step_1"
+    assert (cluster.weights_root / "global_step_1" / "model.safetensors").is_file()
+    for step, version in (("step1", 0), ("step2", 1)):
+        rows = out[step]
+        assert [r["agent"] for r in rows] == ["prorsa_single_turn_agent", "prorsa_tool_agent"] * 2
+        for r in rows:
+            # A version on every token the model produced, -1 on every other (tool observations), aligned with
+            # the response: 16 tokens per turn, one turn per single-turn loop, three per tool loop.
+            assert [v != -1 for v in r["versions"]] == [m == 1 for m in r["mask"]], r
+            assert {v for v in r["versions"] if v != -1} == {version}, (step, r)
+            assert sum(r["mask"]) == (16 if r["agent"] == "prorsa_single_turn_agent" else 3 * 16)
+            assert r["min_global_steps"] == r["max_global_steps"] == version
+            assert sum(r["padding_mask"]) == 0
+    assert out["failing"]["agent_bug"], out["failing"]  # verl's step fails with the loop's own error
 
-    source = out["client_id"]
-    started = {e.traj_id for e in log.of(source, TrajectoryStarted)}
-    assert started == {single["request_id"], tool["request_id"]}
-    turns = [e.traj_id for e in log.of(source, TurnSubmitted)]
-    assert turns.count(single["request_id"]) == 1 and turns.count(tool["request_id"]) == 3
-    finished = {e.traj_id: e for e in log.of(source, TrajectoryFinished)}
-    assert finished[tool["request_id"]].turns == 3 and finished[tool["request_id"]].reward == 1.0
-    assert sum(1 for f in log.finished if f.traj_id in started) == 4
-    assert log.errors == []
+    # 4 trajectories per step and the 2 crashed loops', each finished once; the crashed ones aborted.
+    ends = _check_lifecycle(log, "verl-test", expected=10, aborted=2)
+    started = log.started("verl-test")
+    turns = collections.Counter(e.traj_id for e in log.of(TurnSubmitted, started))
+    assert sorted(turns.values()) == [1] * 6 + [3] * 4
+    crashed = [t for t, e in ends.items() if e.status == "aborted"]
+    assert all(turns[t] == 1 and ends[t].turns == 1 for t in crashed)
+    # The engines' own records: every turn served under the version the trainer saw; a tool loop's later turn
+    # that its client sent to the engine of the previous turn (prefix affinity: the rule needs that engine's stats
+    # fresh, which a loaded machine may delay) found the prefix cached there.
+    served = [f for f in log.finished if f.traj_id in started]
+    assert len(served) == 6 + 3 * 4
+    assert sorted({f.policy_version for f in served}) == [0, 1]
+    engine_of = {(f.traj_id, f.turn): f.engine_id for f in served}
+    stayed = [f for f in served if f.turn > 0 and engine_of[(f.traj_id, f.turn - 1)] == f.engine_id]
+    assert stayed and all(f.cached_tokens > 0 for f in stayed), [
+        (f.traj_id, f.turn, f.cached_tokens) for f in served
+    ]
 
 
-async def test_areal_workflow_runs_on_prorsa(trainers_python: str, cluster: str) -> None:
-    out, log = await _run_trainer(trainers_python, "tests.trainers.areal_workflow", cluster)
-    # AReaL's MultiTurnWorkflow: accepted at the third attempt, 20 generated tokens each, reward 0.9^2.
-    assert out["keys"] == ["attention_mask", "input_ids", "logprobs", "loss_mask", "rewards", "versions"]
-    assert out["loss_mask_ones"] == 3 * 20
-    assert out["input_ids"] == out["logprobs"] == out["versions"]
-    assert out["reward"] == pytest.approx(0.81)
+async def test_areal_workflow_executor_across_a_weight_update(
+    trainers_python: str, cluster: Cluster, tmp_path: Path
+) -> None:
+    out, log = await _run_trainer(trainers_python, "tests.trainers.areal_rl_steps", cluster, tmp_path)
+    assert Path(out["checkpoint"]).is_relative_to(cluster.weights_root)
+    for step, version in (("step1", 0), ("step2", 1)):
+        rows = out[step]
+        # Two multi-turn episodes (accepted at the third attempt: 3 × 12 tokens, reward 0.9²) and two prompts of
+        # two RLVR samples each (12 tokens, reward 1): every output token carries the version that produced it,
+        # every prompt token AReaL's -1.
+        # (AReaL shuffles what it returns.)
+        assert sorted(r["outputs"] for r in rows) == [12, 12, 12, 12, 36, 36], rows
+        assert all(r["output_versions"] == [version] and r["other_versions"] == [-1] for r in rows), rows
+        assert sorted(round(r["reward"], 4) for r in rows) == [0.81, 0.81, 1.0, 1.0, 1.0, 1.0]
+    assert out["failing"] is None  # AReaL drops the crashed episode
 
-    source = out["client_id"]
-    (started,) = log.of(source, TrajectoryStarted)
-    assert started.task == "math"
-    assert len(log.of(source, TurnSubmitted)) == 3
-    (finished,) = log.of(source, TrajectoryFinished)
-    assert finished.traj_id == started.traj_id and finished.turns == 3
-    assert finished.reward == pytest.approx(0.81)
-    served = sorted((f for f in log.finished if f.traj_id == started.traj_id), key=lambda f: f.turn)
-    assert [f.output_tokens for f in served] == [20, 20, 20]
-    assert all(f.cached_tokens > 0 for f in served[1:])  # every retry reused the episode's prefix
-    assert log.errors == []
+    # Per step: 2 multi-turn trajectories (3 turns each) and 4 RLVR samples; then the crashed one (aborted).
+    ends = _check_lifecycle(log, "areal-test", expected=13, aborted=1)
+    started = log.started("areal-test")
+    turns = collections.Counter(e.traj_id for e in log.of(TurnSubmitted, started))
+    assert sorted(turns.values()) == [1] * 9 + [3] * 4
+    rewards = sorted(round(e.reward, 4) for e in ends.values() if e.reward is not None)
+    assert rewards == [0.81] * 4 + [1.0] * 8  # one-trajectory episodes report the episode's reward
+    served = [f for f in log.finished if f.traj_id in started]
+    assert sorted({f.policy_version for f in served}) == [0, 1]
