@@ -24,7 +24,15 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_the_trainer_api_has_no_simulator_knobs() -> None:
     params = inspect.signature(Trajectory.generate).parameters
-    assert list(params) == ["self", "prompt_token_ids", "sampling", "on_tokens", "timeout_s", "on_chunk"]
+    assert list(params) == [
+        "self",
+        "prompt_token_ids",
+        "sampling",
+        "on_tokens",
+        "timeout_s",
+        "on_chunk",
+        "min_policy_version",  # the staleness bound: an RL knob, not a simulator one
+    ]
     assert not any(name.startswith("sim") or "hint" in name.lower() for name in prorsa.client.__all__)
 
 
