@@ -23,8 +23,10 @@ to the shared queue (`forward_addressed`), and its own-queue loop keeps forwardi
 client that read its stats before the switch), so none waits for the client's retry.
 
 Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
-message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
-cancelled), so no pull request lingers on the server to deliver a message nobody reads.
+message of the old role can arrive after a restarting switch decided what to drain. An in-place switch does not
+wait: a fetch in flight delivers work of the role it was made for (`admit`'s `role`), which runs as such. A fetch
+always runs to its end (never cancelled), so no pull request lingers on the server to deliver a message nobody
+reads.
 """
 
 from __future__ import annotations
@@ -160,18 +162,19 @@ class WorkPuller:
             if self._pause_reasons:
                 await self._resumed.wait()
                 continue
+            role = self.agent.role  # the role this fetch is for: what it returns runs as that role's work
             poll_s = self._poll_s(kind)
             # A decode engine never prefills, but a client that read its stats before a switch may still address
             # a prompt to it: forward whatever lands there to the shared queue at once (not at the client's retry).
-            forward = own and self.agent.role == "decode"
+            forward = own and role == "decode"
             if poll_s is None or (not forward and self._capacity(kind) <= 0):
                 await self._wait_for_room()
                 continue
             self._fetching += 1
             self._idle.clear()
             try:
-                took = await (self._forward(poll_s) if forward else self._fetch(kind, own, 1, poll_s))
-                if took and kind == "decode" and self.agent.role == "mixed":
+                took = await (self._forward(poll_s) if forward else self._fetch(kind, own, 1, poll_s, role))
+                if took and kind == "decode" and role == "mixed":
                     self._last_decode_check = -math.inf  # handoffs are waiting: take the next one now
             except Exception as exc:
                 # Broad on purpose: `_fetch` handles the bus and bad input itself, so this is our bug, and a dead
@@ -233,7 +236,9 @@ class WorkPuller:
             est_kv,
         )
 
-    async def _fetch(self, kind: WorkKind, own: bool, n: int, timeout_s: float) -> int:
+    async def _fetch(
+        self, kind: WorkKind, own: bool, n: int, timeout_s: float, role: str | None = None
+    ) -> int:
         psub = self.subs[(kind, own)]
         try:
             msgs = await psub.fetch(n, timeout=timeout_s)
@@ -252,7 +257,7 @@ class WorkPuller:
             work = await self.agent.receive(m, expected)
             if work is None:
                 continue  # bad input: answered and term()'d by Service.receive
-            await self.runner.admit(work, m)  # fails only by our bug: the loop's supervisor surfaces it
+            await self.runner.admit(work, m, role)  # fails only by our bug: the loop's supervisor surfaces it
         return len(msgs)
 
     async def forward_addressed(self) -> int:

@@ -52,6 +52,7 @@ from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
+from services.engine_agent.switch_rule import OutputEstimate
 from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
@@ -104,6 +105,9 @@ class JobRunner:
         self.jobs: dict[str, Job] = {}
         self.core = JobCore()  # de-duplication and the decisions (job_core.py); this class executes them
         self.estimates = PullEstimates()  # sizes of work not seen yet, for pulling
+        # Answer lengths this engine has seen, for a restart's drain (switch_rule.py): what it knows, where the
+        # backend's `expected_output_tokens` is an upper bound (vLLM) or the workload's truth (sim backend).
+        self.output_estimate = OutputEstimate()
         self.freed = (
             asyncio.Event()
         )  # set when held work shrinks (a job ends or leaves its prefill): pull more
@@ -119,8 +123,10 @@ class JobRunner:
 
     # -- admission -----------------------------------------------------------------------------------------------
 
-    async def admit(self, work: GenerateRequest | DecodeHandoff, msg: Any) -> None:
-        """Take one pulled message: de-duplicate, check, and start its job."""
+    async def admit(self, work: GenerateRequest | DecodeHandoff, msg: Any, role: str | None = None) -> None:
+        """Take one pulled message: de-duplicate, check, and start its job. `role`: the role the engine pulled it
+        for (None: the role now) — a fetch that returns after an in-place switch delivers old-role work, which
+        runs as such."""
         request = work.request if isinstance(work, DecodeHandoff) else work
         seq = _stream_seq(msg)
         running = self.jobs.get(request.request_id)
@@ -140,19 +146,18 @@ class JobRunner:
             case Fail(kind=kind, error=error):
                 await self._failed(request, msg, error, request.next_chunk_index, kind=kind)
             case Start():
-                job = self._new_job(work, request, msg, seq)
+                job = self._new_job(work, request, msg, seq, self.io.role if role is None else role)
                 if request.request_id in self.aborted_ids:  # aborted while it waited in the queue
                     job.stop = job.aborted = True
                 self.jobs[request.request_id] = job
                 job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
 
     def _new_job(
-        self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int
+        self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int, role: str
     ) -> Job:
-        if isinstance(work, DecodeHandoff):
-            kind = "decode"
-        else:
-            kind = "prefill" if self.io.role == "prefill" else "generate"
+        kind = (
+            "decode" if isinstance(work, DecodeHandoff) else ("prefill" if role == "prefill" else "generate")
+        )
         expected = self.io.backend.expected_output_tokens(request)
         context = request.prompt_len + len(request.resume_token_ids)
         self.estimates.observe(context, expected)
@@ -430,6 +435,8 @@ class JobRunner:
         )
 
     async def _finished(self, job: Job, reason: str) -> None:
+        if reason != "abort":  # a whole answer, resumed tokens included
+            self.output_estimate.observe(job.output_tokens)
         fields = outputs.finished_fields(
             job, reason, self.io.policy_version, self.io.clock.now_s(), self.io.clock.monotonic_s()
         )
