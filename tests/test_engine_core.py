@@ -81,8 +81,9 @@ def test_a_role_change_in_place_keeps_the_prefix_cache_until_decodes_need_its_kv
 
 
 def test_a_decode_engine_that_becomes_prefill_finishes_its_decodes_while_it_prefills() -> None:
-    """Switched in place, it holds both kinds of work: mixed steps until its decodes are done, each finishing
-    here; the new prompt's KV goes to a decode engine (it is remote: pulled as prefill work)."""
+    """Switched in place, it holds both kinds of work: its prefill steps carry the decodes along until they are
+    done, each finishing here; the new prompt's KV goes to a decode engine (it is remote: pulled as prefill work).
+    A step with riders costs the prompt's compute plus their decode step."""
     engine = SoloEngine(P, "decode")
     decodes = [CoreSeq(i, f"d{i}", 2_000, 400) for i in range(3)]
     for seq in decodes:
@@ -98,6 +99,10 @@ def test_a_decode_engine_that_becomes_prefill_finishes_its_decodes_while_it_pref
     assert engine.steps_done == 399 and engine.kv_reserved == 0
     handed_at = engine.handed_off[0][1]
     assert handed_at < max(t for _, t in engine.finished)  # the prompt did not wait for the decodes to end
+    alone = pm.prefill_time_s(P, 6_000, 0)
+    assert (
+        alone - P.prefill_overhead_s < handed_at - 0.5 < alone + 0.2
+    )  # its compute plus the riders' decode step
 
 
 def test_a_prefill_engine_that_becomes_decode_finishes_the_prompts_it_holds() -> None:

@@ -21,11 +21,12 @@ Roles:
   whole decode batch; with no prefill it jumps like a decode engine.
 
 What a sequence does is its own, not the role's: a prompt prefilled for a decode elsewhere (`remote`: every prompt
-a prefill-role engine takes) hands its KV on; any other decodes here. The role decides what the engine pulls;
-what it steps is what it holds — prompts alone: prefill steps (mixed-role engines: chunked mixed steps); prompts and
-decodes: mixed steps; decodes alone: jumps. So an engine that switched role in place with work of its old role
-still held (a decode engine now prefilling, a prefill engine finishing prompts after becoming decode) runs as a
-mixed engine would until that work is done (`switch_rule.py`).
+a prefill-role engine takes) hands its KV on; any other decodes here. The role decides what the engine pulls and
+how it schedules; what it steps is what it holds. An engine that switched role in place still holds work of its old
+role (`switch_rule.py`) and is mixed in effect until that is done: a prefill engine's steps (its prefill budget,
+as it schedules) carry the decodes it still holds along, one token each per step (`_plan_prefill_step`); a decode
+engine prefills the prompts it still holds the same way, its decodes riding along; a mixed engine keeps its
+chunked mixed steps.
 
 KV: a running request reserves context + output tokens on admission (no preemption); a prompt that decodes here is
 admitted only with a batch slot and KV room (FCFS), but an empty engine always admits (a request larger than the KV
@@ -454,24 +455,34 @@ class EngineCore:
                 self.waiting_prompts or self.own_prompts or not self.prompt_fetch_waiting
             ):
                 self._pull_prompts(now)
-        # Plan the next activity from what the engine holds (the module docstring). With no prompt started or
-        # queued there are no chunks to take.
+        # Plan the next activity. With no prompt started or queued there are no chunks to take; a step that takes
+        # none (a prompt waits for KV room) leaves the decodes to jump.
         if self.active or self.queue:
-            if role != "mixed" and not self.seqs:
-                self._plan_prefill_step(now)
-            elif not self._plan_mixed_step(now) and self.seqs:
-                self._plan_jump(now)  # no prompt could start (no KV room): the decodes go on
+            planned = self._plan_mixed_step(now) if role == "mixed" else self._plan_prefill_step(now)
+            if not planned and self.seqs:
+                self._plan_jump(now)
         elif self.seqs:
             self._plan_jump(now)
         if draining and self.activity == IDLE and self.drained():
             self._on_drained(now)
 
-    def _plan_prefill_step(self, now: float) -> None:
+    def _plan_prefill_step(self, now: float) -> bool:
+        """Start a prefill step if prompts can go in (False: nothing to chunk). Decodes the engine still holds
+        after an in-place switch ride along, one token each: the step costs its prefill compute plus their decode
+        step (the prefill step's own overhead is the decode step's, in one forward pass)."""
         p = self.p
         self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
-        if chunks:
-            priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in chunks]
-            self._schedule(PREFILL_STEP, now, self._cost.prefill_step_s(priced))
+        if not chunks:
+            return False
+        priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in chunks]
+        step_s = self._cost.prefill_step_s(priced)
+        batch = len(self.seqs)
+        if batch:
+            decode_s = self._cost.decode_step_s(batch, self._ctx_base + batch * self.steps_done)
+            self._schedule(MIXED_STEP, now, step_s - p.prefill_overhead_s + decode_s)
+        else:
+            self._schedule(PREFILL_STEP, now, step_s)
+        return True
 
     def _plan_mixed_step(self, now: float) -> bool:
         """Start a chunked-prefill step if prompts can go in; False: nothing to chunk (decode only)."""
