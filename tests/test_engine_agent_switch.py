@@ -5,6 +5,7 @@ differs (`RESTART`: engines whose every role has a layout of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -205,6 +206,37 @@ async def test_a_prefill_engine_switching_in_place_to_decode_finishes_its_prefil
             assert final.engine_id == "ix-x"  # the only decode engine
             assert final.prefill_engine == ("ix-x" if rid == first else "ix-p")
         await wait_work_queue_empty(nc)
+    finally:
+        for a in (switcher, prefill):
+            await a.stop()
+
+
+async def test_a_prompt_a_fetch_brings_after_an_in_place_switch_to_decode_goes_back_to_its_queue(
+    nats_server, nc
+) -> None:
+    """An in-place switch does not wait for the long polls in flight: one that delivers a prompt after the engine
+    became a decode engine gives it back at once (nak), and a prefill engine takes it."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    switcher = make_agent(
+        nats_server.url, "rb-x", "prefill", any_poll_s=3.0
+    )  # its fetch of prompts waits long
+    await switcher.start()
+    prefill = make_agent(nats_server.url, "rb-p", "prefill")
+    try:
+        await asyncio.sleep(0.2)  # the switcher's long poll of the shared prompt queue is under way
+        ack = await send(nc, "rb-x", command("rb-x", "decode", 1))
+        assert (
+            isinstance(ack, RoleSwitchAck) and ack.ok and ack.switch_s < 1.0
+        )  # it did not wait for the poll
+        await publish_work(nc, S.prefill_work_any, request("rb0", max_tokens=20))
+        await wait_until(lambda: switcher.puller.returned == 1)
+        assert not switcher.runner.jobs  # a decode engine runs no prompt
+        await prefill.start()
+        await watcher.wait_finished(["rb0"])
+        final = watcher.assert_exact_stream("rb0", 20)[-1]
+        assert (final.prefill_engine, final.engine_id) == ("rb-p", "rb-x")
+        assert switcher.health_details()["returned_messages"] == 1
     finally:
         for a in (switcher, prefill):
             await a.stop()

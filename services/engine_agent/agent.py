@@ -268,6 +268,7 @@ class EngineAgent(Service):
             "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
+            "returned_messages": self.puller.returned,  # fetched for a role it left (an in-place switch)
             "context_cache": {
                 "trajectories": len(self.contexts.cache),
                 "tokens": self.contexts.cache.tokens,

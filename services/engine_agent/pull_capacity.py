@@ -127,6 +127,11 @@ def decode_fetch(limits: EngineLimits, jobs: int, kv_reserved_tokens: int, est_k
     return max(0, min(slots, fit, limits.max_fetch))
 
 
+def takes(role: str, kind: WorkKind) -> bool:
+    """Whether an engine in `role` runs work of `kind` at all (a mixed engine runs both)."""
+    return role == "mixed" or (role == "prefill") == (kind == "prefill")
+
+
 def pull_size(
     role: str,
     kind: WorkKind,

@@ -123,10 +123,8 @@ class JobRunner:
 
     # -- admission -----------------------------------------------------------------------------------------------
 
-    async def admit(self, work: GenerateRequest | DecodeHandoff, msg: Any, role: str | None = None) -> None:
-        """Take one pulled message: de-duplicate, check, and start its job. `role`: the role the engine pulled it
-        for (None: the role now) — a fetch that returns after an in-place switch delivers old-role work, which
-        runs as such."""
+    async def admit(self, work: GenerateRequest | DecodeHandoff, msg: Any) -> None:
+        """Take one pulled message: de-duplicate, check, and start its job."""
         request = work.request if isinstance(work, DecodeHandoff) else work
         seq = _stream_seq(msg)
         running = self.jobs.get(request.request_id)
@@ -146,18 +144,19 @@ class JobRunner:
             case Fail(kind=kind, error=error):
                 await self._failed(request, msg, error, request.next_chunk_index, kind=kind)
             case Start():
-                job = self._new_job(work, request, msg, seq, self.io.role if role is None else role)
+                job = self._new_job(work, request, msg, seq)
                 if request.request_id in self.aborted_ids:  # aborted while it waited in the queue
                     job.stop = job.aborted = True
                 self.jobs[request.request_id] = job
                 job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
 
     def _new_job(
-        self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int, role: str
+        self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int
     ) -> Job:
-        kind = (
-            "decode" if isinstance(work, DecodeHandoff) else ("prefill" if role == "prefill" else "generate")
-        )
+        if isinstance(work, DecodeHandoff):
+            kind = "decode"
+        else:
+            kind = "prefill" if self.io.role == "prefill" else "generate"
         expected = self.io.backend.expected_output_tokens(request)
         context = request.prompt_len + len(request.resume_token_ids)
         self.estimates.observe(context, expected)

@@ -5,8 +5,8 @@ A switch (pulling is already paused by the caller, and resumes in the new role w
 * **In place** (the backend's `restart_roles` does not name the new role): the backend takes the new role
   (`set_role`: the sim backend pauses for the profile's `role_switch_s`, vLLM has nothing to do) and that is all.
   Every held job runs on as the kind it was pulled as — a prefill hands its KV on, a decode or a local request
-  streams to its end here — and a fetch still in flight delivers work of the role it was made for, which runs the
-  same way. A decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
+  streams to its end here; a message a fetch still in flight delivers for the old role goes back to its queue
+  (`puller.py`). A decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
 * **Restart** (another layout): the engine drains, then restarts —
   1. wait until no fetch is in flight;
   2. prompts queued for this engine by address move to the shared prefill queue if the new role is decode;
