@@ -42,6 +42,7 @@ MODULES: tuple[str, ...] = (
     "services.runtime.perf_model",
     "services.runtime.step_cost",
     "services.runtime.time_windows",
+    "services.runtime.affinity",
     "services.engine_agent.prefix_cache",
     "services.engine_agent.pull_capacity",
     "services.engine_agent.engine_core",

@@ -10,11 +10,14 @@ from proto.codec import ProtoError, decode, decode_as, encode
 from proto.messages import *  # noqa: F403 - the message catalogue is the package's public API
 from proto.messages import SCHEMA_VERSION
 from proto.messages import __all__ as _message_names
-from proto.subjects import Subjects, check_token
+from proto.subjects import POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER, Subjects, check_token
 
 __all__ = [
     *_message_names,
     "SCHEMA_VERSION",
+    "POLICY_KEY_CURRENT",
+    "POLICY_KEY_PAUSED",
+    "POLICY_KEY_TRANSFER",
     "ProtoError",
     "Subjects",
     "check_token",

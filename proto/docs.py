@@ -37,7 +37,15 @@ ROUTES: dict[str, str] = {
     "RoleSwitchCommand": "ns.cmd.<engine_id>, request/reply (the reply is a RoleSwitchAck)",
     "RoleSwitchAck": "reply to the command, and ns.ack.<engine_id>",
     "AllocationPlan": "ns.allocator.plan",
-    "PolicyVersionUpdate": "ns.policy.version, published by the trainer after a weights update",
+    "PolicyVersionUpdate": (
+        "the value of key `current` in the KV bucket <NS>_POLICY (durable; what engines load at start and watch), "
+        "and ns.policy.version (core NATS: the running engines only)"
+    ),
+    "WeightsStatus": "ns.policy.status.<engine_id> (core NATS), at every change and every stats interval",
+    "GenerationControl": "the value of key `paused` in the KV bucket <NS>_POLICY",
+    "WeightTransferInit": "the value of key `transfer` in the KV bucket <NS>_POLICY",
+    "AbortOlderThan": "ns.abort (core NATS request), published by the client; every engine replies",
+    "AbortOlderThanAck": "reply to an AbortOlderThan",
     "LifecycleSnapshot": "ns.tracker.snapshot",
     "DemandForecast": "ns.forecast",
     "HealthRequest": "ns.health, request; every live service instance replies",
@@ -83,14 +91,14 @@ def render() -> str:
         "A trainer needs four things: publish lifecycle events on `ns.lifecycle` (JetStream publish or plain publish: "
         "the EVENTS stream captures the subject); publish a `generate_request` per turn on `ns.work.prefill.any` "
         "(or the engine of the previous turn, for prefix affinity) with `reply_to` set to a subject it subscribes "
-        "to; read `token_chunk`s there until one has `finished: true`; publish `policy_version_update` after a "
-        "weights update. Retries reuse the `request_id` and bump `attempt`; the client keeps the first final chunk "
+        "to; read `token_chunk`s there until one has `finished: true`; put a `policy_version_update` into the policy "
+        "KV bucket after a weights update (*Policy versions* below). Retries reuse the `request_id` and bump `attempt`; the client keeps the first final chunk "
         "per `request_id` and drops the rest, so a retried turn never yields two results.",
         "",
         "Credentials: a server set up by `prorsa up` or `prorsa secrets` admits only its users. A trainer connects "
         "with the `trainer` nkey seed (`trainer.nk`) and the inbox prefix `_INBOX.trainer` (the only inboxes it may "
         "read), sets `reply_to` under `ns.reply.`, and may publish lifecycle events, prefill work, aborts, health requests "
-        "and policy version updates, nothing else. Epochs and policy versions are at most 2^53 - 1; an engine "
+        "and policy version updates (into the policy KV bucket too), nothing else. Epochs and policy versions are at most 2^53 - 1; an engine "
         "refuses a version that jumps more than a million past its own, and weights from outside its weights root.",
         "",
         "`clients/node/` is such a trainer in Node.js (`@nats-io/transport-node` and `@nats-io/jetstream`, JSON), "
@@ -134,6 +142,14 @@ def render() -> str:
         "When the trajectory ends, purge the stream's subject `ns.ctx.<traj_id>.>` (`$JS.API.STREAM.PURGE."
         "<NS>_CONTEXT` with a `filter`). An engine that cannot rebuild a turn's prompt (its segments purged or "
         "expired) fails the turn with an `error` saying so.",
+        "- **Sampling.** `sampling` holds what vLLM's sampler takes: `max_tokens`, `temperature`, `top_p`, `top_k`, "
+        "`seed`, `stop_token_ids`, `ignore_eos`, `logprobs` (the sampled token's), and, added within schema 2 with "
+        "neutral defaults, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`, "
+        "`top_logprobs` (k: each chunk's `top_logprobs` then lists, per token, the k most likely `[token id, "
+        "logprob]` pairs, the most likely first) and `logprobs_mode` (`raw_logprobs`: the model's log-softmax "
+        "before temperature, penalties and top-k/top-p; `processed_logprobs`: after them; empty: the engine's "
+        "kind). An engine that returns the other kind of logprobs fails the turn with an `error` naming both; "
+        "simulated engines honour `min_tokens` and `top_logprobs` and have no logits for penalties to act on.",
         "- **Affinity.** The next turn goes to `ns.work.prefill.engine.<id>`, `<id>` being the final chunk's "
         "`prefill_engine` (else its `engine_id`), only while that engine's latest `engine_stats` (`ns.stats.<id>`, "
         "every second) is under 3 s old, its `role` is `prefill` or `mixed`, `switching` is false and `waiting` "
@@ -151,6 +167,58 @@ def render() -> str:
         "the tokens already streamed; the turn is never redelivered.",
         "- **Retries.** A turn with no chunk for a long while (the Python SDK waits 120 s) is republished with "
         "`attempt` + 1, hence a new `Nats-Msg-Id`; the first stream to complete is the result.",
+        "",
+        "## Policy versions",
+        "",
+        "- **The current version** is durable: key `current` of the JetStream KV bucket `<NS>_POLICY` "
+        "(`PRORSA_POLICY` by default; its stream is `KV_<NS>_POLICY`) holds a `policy_version_update` (`version`, "
+        "`weights_path`, `mode`, `drain_timeout_s`), key `paused` a `generation_control`. A trainer writes a key with "
+        "a JetStream publish on `$KV.<NS>_POLICY.<key>` (the SDK adds `Nats-Expected-Last-Subject-Sequence`, so of "
+        "two trainers writing at once one is refused, and refuses a version below the current one; writing the current "
+        "version again retries it on the engines whose load of it failed). Every engine "
+        "reads both keys before it pulls any work and watches the bucket after: one that starts or restarts loads the "
+        "current version first. A `policy_version_update` published on `ns.policy.version` reaches only the "
+        "engines running now (a restarted one comes back on the bucket's version).",
+        "- **The barrier.** Every engine publishes `weights_status` on `ns.policy.status.<id>` at every change and "
+        "every stats interval. Version N is served when every live engine (its `engine_stats` fresh, as for "
+        "affinity) reports `policy_version` ≥ N; one that starts reports `state: starting` until it serves. An "
+        "engine that cannot load N reports `state: failed` with the `error` and goes on serving its old version.",
+        "- **Modes.** `drain` (synchronous RL): the engine stops pulling, lets its held turns finish (at most "
+        "`drain_timeout_s`, then it updates in flight; at once while generation is paused, as its turns are "
+        "frozen), loads, resumes. `inflight` (asynchronous RL, as AReaL and "
+        "PipelineRL): it loads between two engine steps; a running turn goes on under the new weights, keeping the "
+        "KV of its context.",
+        "- **Per-token versions.** Every `token_chunk` carries in `policy_version` the version whose weights sampled "
+        "its tokens; a chunk never spans two versions (an engine splits it at the update). A turn's token versions "
+        "are each chunk's version repeated over its tokens, in index order.",
+        "- **The staleness bound.** A `generate_request`'s `min_policy_version` is the oldest version that may serve "
+        "it: an engine on older weights never runs it. When a version that new exists (the bucket's `current`), it "
+        "gives the turn back to the queue (redelivered after a short delay, to an engine that serves it or to itself "
+        "once updated); when none does, it fails the turn at once (final chunk with `error`, kind "
+        "`version_unavailable`).",
+        "- **Handoffs across versions (the rule).** A `decode_handoff` names in `policy_version` the weights that "
+        "computed its KV and sampled its first token, and only an engine serving exactly that version continues it. "
+        "A decode engine on newer weights never reads that KV: it recomputes the turn — the `generate_request` goes "
+        "back to `ns.work.prefill.any` with `min_policy_version` raised to the decode engine's version, so it is "
+        "prefilled again under weights at least that new (the KV and the first token, never streamed, are dropped; "
+        "every token of the turn then carries one version). A decode engine on older weights gives the handoff back "
+        "to the queue (it is loading the newer ones; another engine on them may take it). A prefill during which "
+        "its engine updated in flight is not handed off at all (its KV would mix two weights): it is prefilled "
+        "again. A recompute costs one prefill; continuing would give tokens that no single policy produced.",
+        "- **Tensors instead of checkpoints.** Key `transfer` (a `weight_transfer_init`) makes every engine join the "
+        "trainer's group of vLLM's weight-transfer API (`weight_transfer_config` engine argument, e.g. NCCL) while "
+        "the trainer opens its end; each reports `transfer_ready`. An update whose `transfer` holds `update_info` "
+        "(NCCL: `names`, `dtype_names`, `shapes`) then receives the tensors the trainer broadcasts meanwhile, "
+        "between two engine steps as a checkpoint load does (`prorsa.client.weight_sync` drives it from vLLM's own "
+        "trainer-side engines).",
+        "- **Pause and resume.** `paused: true` under key `paused`: every engine stops pulling and freezes its "
+        "running turns between two steps; `false` resumes them where they stopped. Nothing is lost: queued work "
+        "waits in the queue.",
+        "- **Abort by version.** An `abort_older_than` request on `ns.abort`: every engine aborts each turn it holds "
+        "that has a token sampled (or runs on weights) below `older_than`, answers an `abort_older_than_ack` naming "
+        "them, and each such turn ends as an aborted one does: its partial output, with per-token versions, and "
+        '`finish_reason: "abort"`. Engines remember the bound, so a migrated turn with older tokens pulled later '
+        "is answered the same way.",
         "",
         "## The context log",
         "",

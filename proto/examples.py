@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from proto.messages import (
+    AbortOlderThan,
+    AbortOlderThanAck,
     AbortRequest,
     AllocationPlan,
     DecodeHandoff,
@@ -10,6 +12,7 @@ from proto.messages import (
     EngineStats,
     ErrorReply,
     GenerateRequest,
+    GenerationControl,
     HealthReply,
     HealthRequest,
     HorizonForecast,
@@ -32,6 +35,8 @@ from proto.messages import (
     TrajectoryFinished,
     TrajectoryStarted,
     TurnSubmitted,
+    WeightsStatus,
+    WeightTransferInit,
 )
 
 T0 = 1_780_000_000.0
@@ -41,7 +46,7 @@ _req = GenerateRequest(
     turn=3,
     prompt_token_ids=[151644, 872, 198, 3838],
     prompt_len=3108,
-    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7),
+    sampling=SamplingParams(max_tokens=256, temperature=1.0, seed=7, top_logprobs=2),
     reply_to="prorsa.reply.trainer-0",
     policy_version=12,
     task="coding",
@@ -50,6 +55,7 @@ _req = GenerateRequest(
     prefix_turn=2,
     prefix_len=3104,
     context_logged=True,
+    min_policy_version=11,
 )
 _q = Quantiles(q10=1200.0, q50=1800.0, q90=2500.0)
 
@@ -106,6 +112,8 @@ EXAMPLES: dict[type[Message], Message] = {
         prefill_new_tokens=4,
         prefill_cached_tokens=0,
         handed_off_s=T0 + 0.1,
+        first_top_logprobs=[(1234, -0.7), (873, -1.1)],
+        policy_version=12,
     ),
     PrefillDone: PrefillDone(
         engine_id="engine-0",
@@ -151,7 +159,13 @@ EXAMPLES: dict[type[Message], Message] = {
         error="prompt of 40000 tokens exceeds max_model_len 32768",
     ),
     TokenChunk: TokenChunk(
-        request_id="traj-7:3", index=0, token_ids=[1234, 99], logprobs=[-0.7, -1.2], engine_id="engine-5"
+        request_id="traj-7:3",
+        index=0,
+        token_ids=[1234, 99],
+        logprobs=[-0.7, -1.2],
+        engine_id="engine-5",
+        top_logprobs=[[(1234, -0.7), (873, -1.1)], [(4410, -0.9), (99, -1.2)]],
+        policy_version=12,
     ),
     AbortRequest: AbortRequest(
         request_id="traj-7:3", traj_id="traj-7", ts_s=T0 + 2.5, reason="client went away"
@@ -207,7 +221,22 @@ EXAMPLES: dict[type[Message], Message] = {
         reason="forecast 10 s: prefill 1.8M tok, decode 40k tok",
         forecast_ts_s=T0 - 0.2,
     ),
-    PolicyVersionUpdate: PolicyVersionUpdate(version=13, ts_s=T0, weights_path="/ckpt/step-13"),
+    PolicyVersionUpdate: PolicyVersionUpdate(
+        version=13, ts_s=T0, weights_path="/ckpt/step-13", mode="drain", drain_timeout_s=300.0
+    ),
+    WeightsStatus: WeightsStatus(
+        engine_id="engine-5", ts_s=T0 + 1.2, policy_version=13, target_version=13, state="serving", load_s=0.9
+    ),
+    GenerationControl: GenerationControl(paused=True, ts_s=T0, reason="trainer: weights sync"),
+    WeightTransferInit: WeightTransferInit(
+        init_info={"master_address": "10.0.0.1", "master_port": 29600, "world_size": 9},
+        ts_s=T0,
+        rank_offsets={"engine-0": 1, "engine-1": 5},
+    ),
+    AbortOlderThan: AbortOlderThan(older_than=13, ts_s=T0, reason="partial rollout: new weights"),
+    AbortOlderThanAck: AbortOlderThanAck(
+        engine_id="engine-5", older_than=13, request_ids=["traj-7:3", "traj-9:0"], ts_s=T0 + 0.01
+    ),
     LifecycleSnapshot: LifecycleSnapshot(
         ts_s=T0,
         seq=300,

@@ -34,6 +34,11 @@ Counter = Annotated[int, Meta(ge=0, le=MAX_COUNTER)]  # an epoch or a policy ver
 # Ids end up as NATS subject tokens (engine ids) or log keys: no dots, spaces or wildcards.
 Id = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_\-:]+$")]
 Role = Literal["prefill", "decode", "mixed"]
+LogprobsMode = Literal["", "raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "processed_logprobs")
+MAX_TOP_LOGPROBS = 20
+# One alternative of `top_logprobs`: (token id, logprob), the most likely first.
+TopLogprob = tuple[int, float]
 ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
 
 
@@ -108,6 +113,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = True  # return the sampled token's logprob (RL needs it)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Added within schema 2 with neutral defaults (an older sender means none of them). Penalties as vLLM/OpenAI
+    # define them: presence subtracts once from the logit of a token already in the output, frequency once per
+    # occurrence in the output, repetition (HF/vLLM, > 1 discourages) divides the logits of tokens in the prompt or
+    # the output. An engine that cannot apply one says so in its docs (the simulated one has no logits).
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    # Output tokens before a stop token or EOS may end the turn (capped by max_tokens).
+    min_tokens: NonNegInt = 0
+    # Per output token, the `top_logprobs` most likely tokens and their logprobs (`TokenChunk.top_logprobs`);
+    # 0: none. At most 20, vLLM's default `max_logprobs`.
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    # Which logprobs the turn needs: "raw_logprobs" (log-softmax of the model's logits, before temperature,
+    # penalties, top-k/top-p) or "processed_logprobs" (of the distribution sampled from, after all of them); "":
+    # whichever the engine returns. An engine that returns the other kind fails the turn, naming both.
+    logprobs_mode: LogprobsMode = ""
 
 
 class GenerateRequest(Message, frozen=True, kw_only=True):
@@ -143,6 +164,13 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # True: the client wrote this turn's segment (its prefix reference and the ids after it) to the context log at
     # `ns.ctx.<traj_id>.<turn>` before publishing, so a later turn may refer to it and any engine can rebuild it.
     context_logged: bool = False
+    # The staleness bound: the oldest policy version whose weights may serve this turn. An engine serving older
+    # weights never runs it (it leaves it to an engine that serves a version this new, or to itself once updated);
+    # one that knows of no version this new answers it with an error (proto/README.md, "Policy versions").
+    min_policy_version: Counter = 0
+    # Migration: the oldest policy version among `resume_token_ids` (they were streamed with their versions; an
+    # engine needs only the oldest, to tell whether `abort_older_than` covers this turn). 0 without resume tokens.
+    resume_min_version: Counter = 0
 
 
 class DecodeHandoff(Message, frozen=True, kw_only=True):
@@ -157,6 +185,12 @@ class DecodeHandoff(Message, frozen=True, kw_only=True):
     prefill_new_tokens: NonNegInt = 0
     prefill_cached_tokens: NonNegInt = 0
     handed_off_s: float = 0.0
+    # The first token's `sampling.top_logprobs` alternatives (None when not asked for), streamed with it.
+    first_top_logprobs: list[TopLogprob] | None = None
+    # The policy version whose weights computed this KV and sampled `first_token_id`. Only a decode engine serving
+    # exactly that version continues from it; one on newer weights has the turn prefilled again under them, one on
+    # older weights gives it back (the rule in proto/README.md, "Policy versions").
+    policy_version: Counter = 0
 
 
 WORK_MESSAGES = (GenerateRequest, DecodeHandoff)
@@ -238,6 +272,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     output_tokens: NonNegInt = 0
     ttft_s: NonNegFloat = 0.0
     e2e_s: NonNegFloat = 0.0
+    # On every chunk: the policy version whose weights sampled this chunk's tokens (a chunk never spans two
+    # versions: an engine that updates in flight splits it). On a final chunk without tokens: the version the
+    # engine serves. Senders before issue 31 set it on the final chunk only.
     policy_version: Counter = 0
     prefill_engine: str = ""  # final chunk: the engine that holds this prompt's prefix (next turn's affinity)
     error: str = (
@@ -252,6 +289,9 @@ class TokenChunk(Message, frozen=True, kw_only=True):
     # The index this execution started at: 0 for a run from scratch, the predecessor's next index for a migrated
     # request. Lets a client follow one chain of executions and ignore a concurrent duplicate run.
     stream_base: NonNegInt = 0
+    # Per token of `token_ids`, its request's `sampling.top_logprobs` most likely alternatives as (token id,
+    # logprob), the most likely first; None when not asked for.
+    top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
@@ -353,14 +393,96 @@ class AllocationPlan(Message, frozen=True, kw_only=True):
     forecast_ts_s: float = 0.0
 
 
+UpdateMode = Literal["drain", "inflight"]
+
+
 class PolicyVersionUpdate(Message, frozen=True, kw_only=True):
-    """New weights: engines pick them up between requests and report the version they serve."""
+    """New weights: every engine loads them and reports the version it serves (`weights_status`).
+
+    The durable copy is the value of key `current` in the KV bucket `<NS>_POLICY` (`Subjects.policy_bucket`): an
+    engine reads it before it pulls any work and watches it after, so one that starts or restarts serves the current
+    version. Published on `ns.policy.version` alone it reaches only the engines running now."""
 
     version: Counter
     ts_s: float
     # Real engines: where the new weights are ("" = reload from the model path); an engine takes only a path
     # under its configured weights root (`--weights-root`).
     weights_path: Annotated[str, Meta(max_length=4096)] = ""
+    # "drain" (synchronous RL): stop pulling, let held turns finish (at most `drain_timeout_s`), load, resume.
+    # "inflight" (asynchronous RL, AReaL/PipelineRL): load between two engine steps; running turns go on under the
+    # new weights, their tokens stamped with the version that sampled each (`TokenChunk.policy_version`).
+    mode: UpdateMode = "drain"
+    # Drain mode: scaled seconds held turns get to finish; past it the engine updates in flight (versions stamped).
+    drain_timeout_s: NonNegFloat = 300.0
+    # Tensors instead of a checkpoint (vLLM's weight-transfer API, e.g. NCCL from the trainer's ranks): the
+    # backend-specific update info (`names`, `dtype_names`, `shapes` for "nccl"). None: load `weights_path`.
+    transfer: dict[str, Any] | None = None
+
+
+WeightsState = Literal["starting", "serving", "draining", "loading", "failed"]
+
+
+class WeightsStatus(Message, frozen=True, kw_only=True):
+    """What weights an engine serves: published on `ns.policy.status.<engine_id>` at every change and every stats
+    interval; the weights barrier (`RolloutClient.update_weights`) waits until every live engine reports the version."""
+
+    engine_id: Id
+    ts_s: float
+    policy_version: Counter  # the version whose weights serve its turns now
+    # The newest version it knows of (the durable current one): it is loading it when higher.
+    target_version: Counter = 0
+    # "starting": not serving yet (it reads the current version before it pulls work); "failed": see `error`.
+    state: WeightsState = "serving"
+    paused: bool = False  # generation paused by the trainer (`GenerationControl`)
+    # State "failed": why `target_version` could not be loaded (it serves `policy_version` meanwhile).
+    error: str = ""
+    load_s: NonNegFloat = 0.0  # how long the last load took (scaled seconds)
+    # It joined the trainer's weight-transfer group (`WeightTransferInit`): updates may send tensors (`transfer`).
+    transfer_ready: bool = False
+    transfer_error: str = ""  # why joining that group failed ("" while it has not, or did)
+
+
+class GenerationControl(Message, frozen=True, kw_only=True):
+    """Pause or resume all generation: the value of key `paused` in the KV bucket `<NS>_POLICY`. A paused engine
+    pulls no work and freezes its running turns between two steps (nothing is lost: queued work waits in the
+    queue, frozen turns resume where they stopped); an engine that starts while paused starts paused."""
+
+    paused: bool
+    ts_s: float
+    reason: str = ""
+
+
+class WeightTransferInit(Message, frozen=True, kw_only=True):
+    """Join the trainer's weight-transfer group (vLLM's weight-transfer API, e.g. NCCL): the value of key `transfer`
+    in the KV bucket `<NS>_POLICY`. Every engine calls its `init_weight_transfer_engine` with `init_info` (its own
+    `rank_offset` from `rank_offsets` when given) while the trainer opens its end of the group, and reports
+    `transfer_ready`; updates then carry `transfer` (the tensors' update info) instead of a checkpoint path."""
+
+    init_info: dict[
+        str, Any
+    ]  # the backend's worker init info (NCCL: master_address, master_port, world_size, ...)
+    ts_s: float
+    rank_offsets: dict[
+        str, NonNegInt
+    ] = {}  # engine id -> its first rank in the group (NCCL); {}: init_info's own
+
+
+class AbortOlderThan(Message, frozen=True, kw_only=True):
+    """Abort every live turn that holds tokens (or runs on weights) of a policy version below `older_than`: a request
+    on `ns.abort`; every engine answers with an `AbortOlderThanAck` naming the turns it aborted, each of which ends
+    as an `AbortRequest`ed turn does (its partial output, with per-token versions, and finish_reason "abort"). An
+    engine also remembers the bound: a migrated turn holding such tokens that it pulls later is answered the same."""
+
+    older_than: Counter
+    ts_s: float = 0.0
+    reason: str = ""
+
+
+class AbortOlderThanAck(Message, frozen=True, kw_only=True):
+    engine_id: Id
+    older_than: Counter
+    request_ids: list[str] = []  # the turns this engine aborted
+    ts_s: float = 0.0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -459,6 +581,11 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     RoleSwitchAck,
     AllocationPlan,
     PolicyVersionUpdate,
+    WeightsStatus,
+    GenerationControl,
+    WeightTransferInit,
+    AbortOlderThan,
+    AbortOlderThanAck,
     LifecycleSnapshot,
     DemandForecast,
     HealthRequest,
@@ -467,6 +594,10 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
 
 __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "LIFECYCLE_MESSAGES",
+    "LOGPROBS_MODES",
+    "LogprobsMode",
+    "MAX_TOP_LOGPROBS",
+    "TopLogprob",
     "WORK_MESSAGES",
     "ENGINE_EVENT_MESSAGES",
     "ROLES",
@@ -482,4 +613,6 @@ __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "HorizonForecast",
     "Role",
     "TrajectoryState",
+    "UpdateMode",
+    "WeightsState",
 ]

@@ -15,15 +15,23 @@ Subjects (ns = namespace):
   ns.tracker.snapshot              LifecycleSnapshot
   ns.forecast                      DemandForecast
   ns.allocator.plan                AllocationPlan
-  ns.policy.version                PolicyVersionUpdate
+  ns.policy.version                PolicyVersionUpdate (the running engines only; durable: the KV bucket below)
+  ns.policy.status.<engine_id>     WeightsStatus: the weights an engine serves, at every change and every second
   ns.health                        HealthRequest → one HealthReply per live service instance
   ns.errors                        ErrorReply for bad input that had no reply subject
-  ns.abort                         AbortRequest: stop a turn on whichever engine holds it (core NATS)
+  ns.abort                         AbortRequest: stop a turn on whichever engine holds it (core NATS);
+                                   AbortOlderThan (request): every engine aborts the turns of older versions
+                                   and answers an AbortOlderThanAck
   ns.reply.<client_id>.<n>         token streams back to a client (chosen by the client, under ns.reply.;
                                    kept for minutes: stream REPLIES)
   ns.ctx.<traj_id>.<turn>          the context log: each turn's prompt segment, written by the client before
                                    the turn, read by engines that lack the prompt (stream CONTEXT;
                                    proto/context_log.py)
+
+KV bucket NS_POLICY (`policy_bucket`): key `current` holds the current PolicyVersionUpdate (version, source,
+mode), key `paused` a GenerationControl, key `transfer` a WeightTransferInit (tensors instead of checkpoints). Trainers (and the operator) write it; engines read it before they pull any
+work and watch it after, so an engine that starts or restarts serves the current version (and starts paused while
+generation is paused).
 
 Object store NS_TRACKER (`tracker_checkpoint_bucket`): the trajectory tracker's own checkpoints, so a restarted
 tracker replays only the end of EVENTS. Not a channel between services: only the tracker role may touch it.
@@ -42,6 +50,12 @@ def check_token(value: str, what: str = "subject token") -> str:
     if not _TOKEN.match(value):
         raise ValueError(f"invalid {what} {value!r}: use letters, digits, '_', '-' or ':'")
     return value
+
+
+# Keys of the policy KV bucket (`Subjects.policy_bucket`).
+POLICY_KEY_CURRENT = "current"  # value: a PolicyVersionUpdate
+POLICY_KEY_PAUSED = "paused"  # value: a GenerationControl
+POLICY_KEY_TRANSFER = "transfer"  # value: a WeightTransferInit
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +90,11 @@ class Subjects:
     def tracker_checkpoint_bucket(self) -> str:
         """The object-store bucket of the tracker's checkpoints (its stream is `OBJ_<bucket>`)."""
         return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_TRACKER"
+
+    @property
+    def policy_bucket(self) -> str:
+        """The KV bucket of the current policy version and the pause flag (its stream is `KV_<bucket>`)."""
+        return f"{self.namespace.upper().replace('-', '_').replace(':', '_')}_POLICY"
 
     @property
     def replies_stream_subjects(self) -> list[str]:
@@ -144,6 +163,13 @@ class Subjects:
     @property
     def policy_version(self) -> str:
         return f"{self.namespace}.policy.version"
+
+    def policy_status(self, engine_id: str) -> str:
+        return f"{self.namespace}.policy.status.{check_token(engine_id, 'engine id')}"
+
+    @property
+    def all_policy_status(self) -> str:
+        return f"{self.namespace}.policy.status.*"
 
     @property
     def health(self) -> str:

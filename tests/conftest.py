@@ -45,3 +45,43 @@ def chromium() -> str:
     from tests.browser import find_or_install_chromium
 
     return find_or_install_chromium()
+
+
+@pytest.fixture(scope="module")
+def gateway_bus() -> Iterator[EmbeddedNatsServer]:
+    """A nats-server for a module's gateway tests."""
+    with EmbeddedNatsServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def gateway_process(gateway_bus: EmbeddedNatsServer) -> Iterator[str]:
+    """A gateway process with the tiny chat tokenizer on a nats-server of its own, its /v1 URL: one per module (a
+    process start costs seconds of CPU); each test opens sessions of its own."""
+    from prorsa.gateway.launch import free_port, wait_gateway
+    from tests.gateway_support import start_gateway
+
+    port = free_port()
+    proc = start_gateway(gateway_bus.url, port)
+    try:
+        assert wait_gateway(f"http://127.0.0.1:{port}/v1", 60), "the gateway never answered /health"
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+async def sim_gateway(gateway_bus: EmbeddedNatsServer, gateway_process: str) -> AsyncIterator[str]:
+    """`gateway_process` with a simulated prefill and a decode engine behind it (in this process), for one test:
+    the first token's logprobs and alternatives travel in a handoff."""
+    from tests.engine_agent_support import make_agent
+
+    agents = [make_agent(gateway_bus.url, "p0", "prefill"), make_agent(gateway_bus.url, "d0", "decode")]
+    for agent in agents:
+        await agent.start()
+    try:
+        yield gateway_process
+    finally:
+        for agent in agents:
+            await agent.stop()

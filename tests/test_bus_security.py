@@ -92,6 +92,21 @@ PUBLISH: dict[str, tuple[str, ...]] = {
     "$JS.API.CONSUMER.DELETE.OBJ_PRORSA_TRACKER.x": ("tracker",),
     "$JS.FC.OBJ_PRORSA_TRACKER.x": ("tracker",),
     "_INBOX.allocator.x": NOBODY,  # nobody writes into another's inbox (replies go by allow_responses)
+    # The policy bucket (issue 31): trainers and the operator write the current version and the pause flag, engines
+    # only read and watch them; nobody else touches it, nobody purges it or writes another key.
+    "$KV.PRORSA_POLICY.current": ("trainer", "operator"),
+    "$KV.PRORSA_POLICY.paused": ("trainer", "operator"),
+    "$KV.PRORSA_POLICY.transfer": ("trainer", "operator"),
+    "$KV.PRORSA_POLICY.other": NOBODY,
+    "$JS.API.DIRECT.GET.KV_PRORSA_POLICY.$KV.PRORSA_POLICY.current": ("trainer", *ENGINES, "operator"),
+    "$JS.API.STREAM.INFO.KV_PRORSA_POLICY": EVERYONE,
+    "$JS.API.STREAM.CREATE.KV_PRORSA_POLICY": EVERYONE,
+    "$JS.API.STREAM.UPDATE.KV_PRORSA_POLICY": ("operator",),
+    "$JS.API.STREAM.PURGE.KV_PRORSA_POLICY": NOBODY,
+    "$JS.API.STREAM.DELETE.KV_PRORSA_POLICY": NOBODY,
+    "$JS.API.CONSUMER.CREATE.KV_PRORSA_POLICY": ENGINES,
+    "prorsa.policy.status.engine-0": ENGINES,
+    "prorsa.policy.status.engine-1": ("engine",),
 }
 
 # subject → the users that may subscribe to it.
@@ -107,6 +122,7 @@ SUBSCRIBE: dict[str, tuple[str, ...]] = {
     "prorsa.forecast": ("trainer", "allocator", "operator"),
     "prorsa.allocator.plan": ("trainer", "operator"),
     "prorsa.policy.version": (*ENGINES, "operator"),
+    "prorsa.policy.status.engine-0": ("trainer", "operator"),
     "prorsa.health": (*SERVICES, "operator"),
     "prorsa.errors": ("trainer", "operator"),
     "prorsa.reply.client-1.0": ("trainer", "operator"),
@@ -360,3 +376,37 @@ async def test_credentials_come_from_the_environment(secure, monkeypatch) -> Non
 def test_an_empty_environment_is_anonymous() -> None:
     assert BusCredentials.from_env({}).anonymous
     assert BusCredentials.from_env({}).connect_options() == {}
+
+
+async def test_weights_go_through_the_policy_bucket_and_only_trainers_write_it(secure_engine) -> None:
+    """Issue 31: the trainer's credentials are enough for `update_weights` and `pause`/`resume` (write the bucket,
+    read the engines' statuses), the engine's for loading the current version and watching (read only); every other
+    role is refused the bucket by the server, and a forged version from one never reaches an engine."""
+    from prorsa.client.client import RolloutClient
+
+    srv, secrets, agent = secure_engine
+    client = await RolloutClient.connect(srv.url, secrets.credentials("trainer"))
+    try:
+        ack = await client.update_weights(1, timeout_s=20)
+        assert ack.engines == {"engine-0": 1} and agent.policy_version == 1
+        assert await client.pause(timeout_s=10) == ["engine-0"] and agent.weights.state.paused
+        assert await client.resume(timeout_s=10) == ["engine-0"] and not agent.weights.state.paused
+    finally:
+        await client.close()
+    forged = proto.encode(PolicyVersionUpdate(version=999, ts_s=0.0))
+    for user in ("engine-0", "engine", "forecaster", "allocator", "tracker"):
+        nc = await connect_as(srv, secrets, user, errors := Violations())
+        try:
+            with pytest.raises(nats.errors.Error):
+                await nc.jetstream(timeout=1.0).publish("$KV.PRORSA_POLICY.current", forged)
+            await wait_for(lambda errors=errors: "$kv.prorsa_policy.current" in errors.publish)
+        finally:
+            await nc.close()
+    engine = await connect_as(srv, secrets, "engine-0")
+    try:  # an engine reads the current version (what it loads at start)
+        entry = await (await engine.jetstream().key_value("PRORSA_POLICY")).get("current")
+        assert proto.decode_as(entry.value, PolicyVersionUpdate).version == 1
+    finally:
+        await engine.close()
+    await asyncio.sleep(0.3)
+    assert agent.policy_version == 1 and agent.weights.state.newest == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +30,23 @@ def test_in_order_stream() -> None:
     res = a.add(chunk(1, [3], final=True))
     assert res is not None and res.token_ids == [1, 2, 3] and res.logprobs == [-0.1] * 3
     assert res.prefill_engine == "p0" and res.restarts == 0
+
+
+def test_top_logprobs_are_assembled_per_token_in_order() -> None:
+    def top(t: int) -> list[tuple[int, float]]:
+        return [(t, -0.1), (t + 100, -2.5)]
+
+    a = StreamAssembler("r")
+    first = msgspec.structs.replace(chunk(1, [3], final=True), top_logprobs=[top(3)])
+    assert a.add(first) is None  # out of order
+    res = a.add(msgspec.structs.replace(chunk(0, [1, 2]), top_logprobs=[top(1), top(2)]))
+    assert res is not None and res.top_logprobs == [top(1), top(2), top(3)]
+    # An engine that sent some chunk without them (an older one): none rather than misaligned ones.
+    b = StreamAssembler("r")
+    b.add(msgspec.structs.replace(chunk(0, [1, 2]), top_logprobs=[top(1), top(2)]))
+    res = b.add(chunk(1, [3], final=True))
+    assert res is not None and res.top_logprobs is None
+    assert StreamAssembler("r").add(chunk(0, [1], final=True)).top_logprobs is None  # type: ignore[union-attr]
 
 
 def test_duplicates_and_late_chunks_change_nothing() -> None:

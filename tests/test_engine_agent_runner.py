@@ -16,6 +16,7 @@ from services.engine_agent.backends.sim_backend import SimBackend
 from services.engine_agent.context_cache import ContextCache
 from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.runner import JobRunner
+from services.engine_agent.weights_core import WeightsState
 from services.runtime.model_profiles import load_profile
 from tests.engine_agent_support import expected_ids, request, wait_until
 
@@ -49,6 +50,15 @@ def _no_bus() -> Any:
     raise AssertionError("a request with its whole prompt read the context log")
 
 
+class _Weights:
+    """The agent's WeightsControl as the runner asks it: every turn may run here, no abort bound."""
+
+    state = WeightsState()
+
+    async def admit(self, request: Any) -> str:
+        return "run"
+
+
 class FakeAgent:
     """Just enough of EngineAgent for a JobRunner: records what would be published."""
 
@@ -60,6 +70,8 @@ class FakeAgent:
         self.contexts = ContextResolver(_no_bus, Subjects(), ContextCache())
         self.clock = backend.clock
         self.policy_version = 3
+        backend.policy_version = 3  # what the engine serves (chunks are stamped with the backend's version)
+        self.weights = _Weights()
         self.log = SimpleNamespace(
             info=lambda *a, **k: None, warning=lambda *a, **k: None, error=lambda *a, **k: None
         )

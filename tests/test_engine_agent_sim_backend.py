@@ -4,6 +4,7 @@ function of the request, and the async shell keeps streams consistent across pre
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import msgspec
@@ -59,6 +60,37 @@ def test_tokens_are_a_pure_function_of_request_and_position() -> None:
 )
 def test_output_end(max_tokens: int, sim_out: int, prompt: int, model_len: int, expected: tuple) -> None:
     assert output_end(req("x", max_tokens, prompt, sim_output_tokens=sim_out), model_len) == expected
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "sim_out", "min_tokens", "expected"),
+    [
+        (100, 40, 60, (60, "stop")),  # min_tokens holds the stop back
+        (100, 40, 10, (40, "stop")),  # already longer: unchanged
+        (100, 40, 500, (100, "length")),  # never past max_tokens
+    ],
+)
+def test_min_tokens_bounds_the_output(
+    max_tokens: int, sim_out: int, min_tokens: int, expected: tuple
+) -> None:
+    r = req("x", max_tokens, 1_000, sim_output_tokens=sim_out)
+    r = msgspec.structs.replace(r, sampling=SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens))
+    assert output_end(r, 10_000) == expected
+
+
+def test_top_logprobs_are_k_deterministic_alternatives_holding_the_sampled_token() -> None:
+    tokens = SimTokens("r-top", vocab_size=1_000)
+    for pos in range(300):
+        top = tokens.top(pos, 5)
+        assert top == SimTokens("r-top", vocab_size=1_000).top(pos, 5)
+        ids = [t for t, _ in top]
+        lps = [lp for _, lp in top]
+        assert len(top) == 5 and len(set(ids)) == 5 and lps == sorted(lps, reverse=True)
+        assert sum(math.exp(lp) for lp in lps) <= 1.0 + 1e-9
+        sampled, lp = tokens.at(pos)
+        # The sampled token is listed with its own logprob exactly when it ranks within the 5.
+        assert ((sampled, lp) in top) == (lp >= lps[-1])
+    assert tokens.top(0, 0) == [] and tokens.top(0, 1) != SimTokens("r-other", vocab_size=1_000).top(0, 1)
 
 
 def test_the_core_charges_the_performance_model() -> None:
@@ -129,6 +161,33 @@ async def test_prefill_decode_and_migration_continue_one_token_sequence() -> Non
         assert whole[:15] + [t for c in tail for t in c.token_ids] == whole
         assert tail[0].prefill is not None and tail[-1].finished and tail[-1].finish_reason == "length"
         assert b.stats().running == 0 and b.core.kv_reserved == 0
+    finally:
+        await b.close()
+
+
+async def test_top_logprobs_follow_every_token_through_prefill_and_decode() -> None:
+    b = SimBackend(P, "e0", speedup=200.0)
+    await b.start()
+    try:
+        r = msgspec.structs.replace(req("rk", 30), sampling=SamplingParams(max_tokens=30, top_logprobs=3))
+        tokens = SimTokens("rk")
+        chunks = [c async for c in b.generate(r)]
+        tops = [t for c in chunks for t in (c.top_logprobs or [])]
+        assert tops == [tokens.top(i, 3) for i in range(30)]
+        assert sum(len(c.token_ids) for c in chunks) == 30
+        res = await b.prefill(r)
+        assert res.first_top_logprobs == tokens.top(0, 3)
+        handoff = DecodeHandoff(
+            request=r,
+            prefill_engine="e0",
+            first_token_id=res.first_token_id,
+            kv_transfer_params=res.kv_transfer_params,
+        )
+        rest = [c async for c in b.decode(handoff)]
+        assert [t for c in rest for t in (c.top_logprobs or [])] == tops[1:]
+        plain = [c async for c in b.generate(req("rk", 5))]
+        assert all(c.top_logprobs is None for c in plain)  # not asked for: none computed
+        assert b.sampling_problem(r.sampling) == ""
     finally:
         await b.close()
 

@@ -83,17 +83,38 @@ def test_sessions_extend_or_break() -> None:
     assert full.value.status == 429
 
 
+def test_a_session_found_on_the_bus_is_forgotten_and_one_closed_there_is_finished() -> None:
+    table = SessionTable()
+    s, fresh = table.acquire("lost-1", 0.0)
+    assert fresh
+    table.forget("lost-1")  # the caller found it open on the bus: nothing of it stays here
+    table.release(s)
+    assert len(table) == 0 and table.idle(10_000.0, 1.0) == []
+    with pytest.raises(SessionError) as unknown:
+        table.get("lost-1")
+    assert unknown.value.status == 404  # still unknown here: /finish looks on the bus again
+    table.closed("lost-1")  # closed there
+    with pytest.raises(SessionError) as finished:
+        table.acquire("lost-1", 1.0)
+    assert (finished.value.status, finished.value.code) == (409, "session_finished")
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty"),
-        ({"min_tokens": 4}, "min_tokens"),
+        ({"min_p": 0.1}, "min_p"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"top_logprobs": 3}, "top_logprobs"),
-        ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logprobs_mode": "raw_logits"}, "logprobs_mode"),
         ({"top_p": 0.0}, "top_p"),
         ({"stop": [""]}, "stop"),
+        # Honoured, within the contract's bounds (proto.SamplingParams): outside them refused by name.
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(fields: dict, field: str) -> None:
@@ -116,6 +137,17 @@ def test_sampling_maps_what_engines_honour() -> None:
     )
     assert (s.params.max_tokens, s.params.temperature, s.params.top_k, s.params.seed) == (1000, 0.0, 20, 7)
     assert s.stop == ("END",) and s.params.logprobs
+    assert (s.params.top_logprobs, s.params.min_tokens, s.params.logprobs_mode) == (0, 0, "")
+
+
+def test_penalties_min_tokens_and_top_logprobs_reach_the_engines() -> None:
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 4}
+    fields |= {"top_logprobs": 5, "logprobs_mode": "processed_logprobs", "max_tokens": 16}
+    p = build_sampling(fields, 1000).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (p.min_tokens, p.top_logprobs, p.logprobs_mode, p.max_tokens) == (4, 5, "processed_logprobs", 16)
+    capped = build_sampling({"min_tokens": 40, "max_tokens": 50}, 30).params
+    assert (capped.max_tokens, capped.min_tokens) == (30, 30)  # the gateway's cap bounds both
 
 
 def test_stop_strings_cut_at_a_token_boundary() -> None:
@@ -126,6 +158,21 @@ def test_stop_strings_cut_at_a_token_boundary() -> None:
 
     assert cut_at_stop([1, 2, 3, 4, 5], ("END",), decode) == (4, "hello ")
     assert cut_at_stop([1, 2], ("END",), decode) is None
+
+
+def test_a_stop_string_within_min_tokens_does_not_cut() -> None:
+    vocab = {1: "a", 2: "X", 3: "b", 4: "c", 5: "X", 6: "d", 7: "X"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids)
+
+    ids = [1, 2, 3, 4, 5, 6]  # "aXbcXd": X completes with token 2 and token 5
+    assert cut_at_stop(ids, ("X",), decode) == (2, "a")
+    # Token 2 is the min_tokens-th: a stop string it completes counts.
+    assert cut_at_stop(ids, ("X",), decode, min_tokens=2) == (2, "a")
+    assert cut_at_stop(ids, ("X",), decode, min_tokens=3) == (5, "aXbc")
+    assert cut_at_stop(ids, ("cX",), decode, min_tokens=5) == (5, "aXb")  # completed by token 5: counts
+    assert cut_at_stop(ids, ("X",), decode, min_tokens=6) is None
 
 
 def test_hermes_parser() -> None:

@@ -256,7 +256,7 @@ def _metric(up: Up, name: str) -> float:
         (b"{not json", None, 400, "invalid_json"),
         ({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, None, 400, "invalid_field"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
+            {"messages": [{"role": "user", "content": "x"}], "min_p": 0.5},
             None,
             400,
             "unsupported_field",
@@ -286,7 +286,7 @@ def test_bad_chat_requests_get_http_errors(
     err = r.json()["error"]
     assert err["code"] == code and err["message"]
     if code in ("invalid_field", "unsupported_field"):
-        assert err["param"] in ("frobnicate", "presence_penalty")
+        assert err["param"] in ("frobnicate", "min_p")
 
 
 def test_unknown_session_and_oversized_body(up: Up) -> None:
@@ -490,3 +490,56 @@ def test_a_client_giving_up_on_a_whole_answer_aborts_the_turn(up: Up) -> None:
 
     ev = asyncio.run(main())
     assert ev.finish_reason == "abort" and 0 < ev.output_tokens < 20000, ev  # type: ignore[attr-defined]
+
+
+def test_the_trainer_control_plane_over_http(up: Up) -> None:
+    """Issue 31 over HTTP: a weight update with its barrier (200 naming every engine; 504 naming those that do not
+    serve it in time; 409 for a refused checkpoint or a stale version), pause/resume, abort by version with the
+    partial outputs and their versions, per-token versions on responses; all behind the key."""
+    url = up.base_url
+    with httpx.Client(timeout=120) as http:
+        assert http.post(f"{url}/weights", json={"version": 1}).status_code == 401
+        assert http.post(f"{url}/weights", json={"version": -1}, headers=up.auth()).status_code == 400
+        late = http.post(f"{url}/weights", json={"version": 1, "timeout_s": 0.05}, headers=up.auth())
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["code"] == "weights_timeout" and late.json()["error"]["engines"]
+        ok = http.post(f"{url}/weights", json={"version": 1, "mode": "inflight"}, headers=up.auth())
+        assert ok.status_code == 200, ok.text
+        engines = ok.json()["engines"]
+        assert len(engines) == 2 and set(engines.values()) == {1}
+        stale = http.post(f"{url}/weights", json={"version": 0}, headers=up.auth())
+        assert stale.status_code == 409 and stale.json()["error"]["code"] == "stale_version"
+        refused = http.post(
+            f"{url}/weights",
+            json={"version": 2, "source": "/etc/not-weights", "timeout_s": 30},
+            headers=up.auth(),
+        )
+        assert refused.status_code == 409, refused.text
+        err = refused.json()["error"]
+        assert err["code"] == "weights_failed" and sorted(err["engines"]) == sorted(engines)
+        assert all("weights root" in why for why in err["failed"].values())
+        done = http.post(f"{url}/completions", json={"prompt": [1, 2, 3], "max_tokens": 8}, headers=up.auth())
+        choice = done.json()["choices"][0]
+        assert choice["token_versions"] == [1] * len(choice["token_ids"]) and len(choice["token_ids"]) == 8
+        paused = http.post(f"{url}/pause", json={"reason": "sync"}, headers=up.auth())
+        assert paused.status_code == 200 and paused.json()["paused"] and len(paused.json()["engines"]) == 2
+        resumed = http.post(f"{url}/resume", json={}, headers=up.auth())
+        assert resumed.status_code == 200 and not resumed.json()["paused"]
+
+    async def abort_running() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            turn = asyncio.create_task(
+                client.post(
+                    f"{url}/completions", json={"prompt": [5, 6, 7], "max_tokens": 20000}, headers=up.auth()
+                )
+            )
+            await asyncio.sleep(1.5)
+            aborted = await client.post(f"{url}/abort", json={"older_than": 2}, headers=up.auth())
+            return await turn, aborted
+
+    turn, aborted = asyncio.run(abort_running())
+    assert aborted.status_code == 200, aborted.text
+    (partial,) = aborted.json()["aborted"]
+    choice = turn.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and partial["token_ids"] == choice["token_ids"]
+    assert partial["token_versions"] == choice["token_versions"] == [1] * len(choice["token_ids"])

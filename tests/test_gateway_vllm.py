@@ -170,3 +170,61 @@ def test_a_stop_string_cuts_the_output_and_stops_the_engine(up: Up) -> None:
     )
     metrics = httpx.get(f"{up.root}/metrics").text
     assert 'prorsa_gateway_aborts_total{cause="stop"} 1.0' in metrics
+
+
+def test_top_k_logprobs_min_tokens_and_penalties_on_vllm(up: Up) -> None:
+    """Real vLLM: `logprobs: k` gives each token k alternatives by vLLM's rank (greedy, the sampled token is the
+    first, with its own logprob); `min_tokens` holds back a stop token until that many tokens are out; the
+    penalties are taken (greedy output may change, nothing else does); a logprobs kind the engine does not return
+    is a 400 naming logprobs_mode."""
+    client = up.openai()
+    prompt = [1, 150, 250, 350, 450, 550]
+    greedy = {"model": "prorsa", "prompt": prompt, "max_tokens": 10, "temperature": 0.0}
+    full = client.completions.create(**greedy, logprobs=3, extra_body={"ignore_eos": True}).model_dump()
+    choice = full["choices"][0]
+    ids, lp = choice["token_ids"], choice["logprobs"]
+    assert len(ids) == 10 and len(lp["top_token_ids"]) == 10
+    for tok, own, alts in zip(ids, lp["token_logprobs"], lp["top_token_ids"], strict=True):
+        assert len(alts) == 3 and alts[0][0] == tok and alts[0][1] == pytest.approx(own, abs=1e-4)
+        assert [a[1] for a in alts] == sorted((a[1] for a in alts), reverse=True)
+
+    # A stop token: the first output token not seen before it, at position j >= 1.
+    j = next(i for i in range(1, 10) if ids[i] not in ids[:i])
+    stop = {"stop_token_ids": [ids[j]], "ignore_eos": True}
+    early = client.completions.create(**greedy, extra_body=stop).model_dump()["choices"][0]
+    assert early["finish_reason"] == "stop" and len(early["token_ids"]) <= j + 1
+    held = client.completions.create(**greedy, extra_body={**stop, "min_tokens": j + 4}).model_dump()[
+        "choices"
+    ][0]
+    assert len(held["token_ids"]) >= j + 4 and held["token_ids"][:j] == ids[:j]
+    assert ids[j] not in held["token_ids"][: j + 4]  # masked until min_tokens tokens are out
+
+    penalised = client.completions.create(
+        **greedy,
+        logprobs=2,
+        presence_penalty=1.0,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.5, "ignore_eos": True},
+    ).model_dump()["choices"][0]
+    assert len(penalised["token_ids"]) == 10 and penalised["finish_reason"] == "length"
+    assert (
+        len(penalised["logprobs"]["token_logprobs"]) == 10
+        and len(penalised["logprobs"]["top_token_ids"]) == 10
+    )
+    # Raw logprobs (the engine's kind) are the model's before the penalties, whatever token they made it pick.
+    for tok, own, alts in zip(
+        penalised["token_ids"],
+        penalised["logprobs"]["token_logprobs"],
+        penalised["logprobs"]["top_token_ids"],
+        strict=True,
+    ):
+        assert own <= alts[0][1] + 1e-4 and (own >= alts[-1][1] - 1e-4) == any(a[0] == tok for a in alts)
+
+    refused = httpx.post(
+        f"{up.base_url}/completions",
+        json={"prompt": prompt, "max_tokens": 2, "logprobs_mode": "processed_logprobs"},
+        headers=up.auth(),
+        timeout=60,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs_mode", refused.text
+    assert "raw_logprobs" in refused.json()["error"]["message"]

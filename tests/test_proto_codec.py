@@ -54,6 +54,36 @@ def test_a_schema_1_turn_is_refused_by_name() -> None:
     assert info.value.kind == "schema_version"
 
 
+def test_sampling_fields_added_within_schema_2_default_to_neutral_and_are_bounded() -> None:
+    """A request from a sender before penalties, min_tokens, top_logprobs and logprobs_mode decodes with each at the
+    value that changes nothing; values outside what an engine takes are refused naming the field."""
+    payload = json.loads(proto.encode(EXAMPLES[GenerateRequest]))
+    added = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "top_logprobs")
+    for name in (*added, "logprobs_mode"):
+        del payload["sampling"][name]
+    s = proto.decode_as(json.dumps(payload).encode(), GenerateRequest, "s").sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens, s.top_logprobs) == (
+        0.0,
+        0.0,
+        1.0,
+        0,
+        0,
+    )
+    assert s.logprobs_mode == ""
+    for name, bad in [
+        ("presence_penalty", 2.5),
+        ("repetition_penalty", 0.0),
+        ("min_tokens", -1),
+        ("top_logprobs", 21),
+        ("logprobs_mode", "raw_logits"),
+    ]:
+        wrong = json.loads(proto.encode(EXAMPLES[GenerateRequest]))
+        wrong["sampling"][name] = bad
+        with pytest.raises(ProtoError) as info:
+            proto.decode(json.dumps(wrong).encode(), "prorsa.work.prefill.any")
+        assert info.value.field == f"sampling.{name}"
+
+
 def test_field_error_names_subject_and_field() -> None:
     payload = json.loads(proto.encode(EXAMPLES[TurnSubmitted]))
     payload["prompt_tokens"] = -5

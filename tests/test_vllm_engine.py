@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from proto import DecodeHandoff, GenerateRequest, SamplingParams
@@ -93,6 +94,52 @@ def test_stream_state_turns_outputs_into_chunks() -> None:
     assert last.kv_transfer_params == {"remote_block_ids": [[1, 2]], "remote_engine_id": "a"}
     aborted = state.final("abort", elapsed_s=0.6)
     assert aborted.finished and aborted.finish_reason == "abort" and aborted.token_ids == []
+
+
+def test_stream_state_keeps_the_top_k_by_vllms_rank() -> None:
+    """vLLM's `logprobs=k` gives each position the top k by rank plus the sampled token at its own rank when it
+    ranks lower: the alternatives are the k best, in rank order, whether or not the sampled one is among them."""
+    lp = SimpleNamespace
+    sampled_in = {7: lp(logprob=-0.2, rank=1), 9: lp(logprob=-2.0, rank=2)}  # 7 sampled, ranked first
+    sampled_out = {3: lp(logprob=-4.0, rank=17), 8: lp(logprob=-0.1, rank=1), 1: lp(logprob=-3.0, rank=2)}
+    completion = SimpleNamespace(token_ids=[7, 3], logprobs=[sampled_in, sampled_out], finish_reason=None)
+    out = SimpleNamespace(outputs=[completion], finished=False, num_cached_tokens=0, kv_transfer_params=None)
+    chunk = StreamState("r", 10, top_logprobs=2).chunk(out, elapsed_s=0.1)
+    assert chunk.logprobs == [-0.2, -4.0]  # the sampled tokens' own
+    assert chunk.top_logprobs == [[(7, -0.2), (9, -2.0)], [(8, -0.1), (1, -3.0)]]
+    assert StreamState("r", 10).chunk(out, elapsed_s=0.1).top_logprobs is None  # not asked for
+
+
+def test_vllm_backend_maps_the_sampling_and_refuses_what_its_engine_cannot_return() -> None:
+    backend = VllmBackend(CONFIG)
+    sampling = SamplingParams(
+        max_tokens=20, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2, min_tokens=8
+    )
+    req = msgspec.structs.replace(_request(10, 20, resume=[4, 5, 6]), sampling=sampling)
+    kw = backend._sampling(req)
+    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (0.5, 0.25, 1.2)
+    assert kw["min_tokens"] == 5  # 3 of the 8 were streamed before the migration
+    assert backend.sampling_problem(SamplingParams(max_tokens=5, logprobs_mode="raw_logprobs")) == ""
+    assert backend.sampling_problem(SamplingParams(max_tokens=5, top_logprobs=20)) == ""
+    refused = backend.sampling_problem(SamplingParams(max_tokens=5, logprobs_mode="processed_logprobs"))
+    assert "processed_logprobs" in refused and "raw_logprobs" in refused
+    backend.engine.max_logprobs = 5  # as an engine started with --engine-arg max_logprobs=5 resolves it
+    assert "max_logprobs 5" in backend.sampling_problem(SamplingParams(max_tokens=5, top_logprobs=6))
+
+
+def test_vllm_sampling_params_take_penalties_min_tokens_and_top_k() -> None:
+    pytest.importorskip("vllm", reason="vLLM's SamplingParams")
+    params = VllmEngine._sampling(
+        max_tokens=1, temperature=1.0, top_p=1.0, top_k=-1, seed=1, logprobs=True, stop_token_ids=None,
+        ignore_eos=False, repetition_penalty=1.3, presence_penalty=-0.5, min_tokens=8, top_logprobs=4,
+    )  # fmt: skip
+    assert (params.min_tokens, params.logprobs) == (1, 4)  # a prefill's one token: min_tokens capped by it
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.3, -0.5, 0.0)
+    plain = VllmEngine._sampling(
+        max_tokens=9, temperature=1.0, top_p=1.0, top_k=-1, seed=None, logprobs=True, stop_token_ids=None,
+        ignore_eos=False,
+    )  # fmt: skip
+    assert (plain.logprobs, plain.min_tokens, plain.repetition_penalty) == (0, 0, 1.0)
 
 
 def test_stats_box_accumulates_and_reports_idle_as_zero() -> None:

@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prorsa.client.client import GenerateError, RolloutClient, Trajectory
     from prorsa.client.stream import GenerateResult, StreamAssembler
+    from prorsa.client.weights import PauseError, WeightsAck, WeightUpdateError
 
-__all__ = ["GenerateError", "GenerateResult", "RolloutClient", "StreamAssembler", "Trajectory"]
+__all__ = [
+    "GenerateError",
+    "GenerateResult",
+    "PauseError",
+    "RolloutClient",
+    "StreamAssembler",
+    "Trajectory",
+    "WeightUpdateError",
+    "WeightsAck",
+]
 
 _HOME = {
     "GenerateError": "prorsa.client.client",
@@ -20,6 +30,9 @@ _HOME = {
     "Trajectory": "prorsa.client.client",
     "GenerateResult": "prorsa.client.stream",
     "StreamAssembler": "prorsa.client.stream",
+    "PauseError": "prorsa.client.weights",
+    "WeightsAck": "prorsa.client.weights",
+    "WeightUpdateError": "prorsa.client.weights",
 }
 
 

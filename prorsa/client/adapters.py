@@ -14,8 +14,9 @@
 - `MultiTurnWorkflow`: a Prorsa-native episode loop for trainers without a framework: `await workflow.run(client,
   prompt_ids)` runs model turn → environment step → ... → reward and returns the trajectory's record.
 
-verl's sampling params are a dict (`temperature`, `top_p`, `top_k`, `max_tokens` or `max_new_tokens`, `logprobs`,
-`seed`); unknown keys are ignored so trainer-specific extras do not break a turn. Multimodal inputs are refused
+verl's sampling params are a dict (`temperature`, `top_p`, `top_k`, `repetition_penalty`, `max_tokens` or
+`max_new_tokens`, `logprobs`, `seed`; vLLM's `presence_penalty`, `frequency_penalty` and `min_tokens` are taken too);
+unknown keys are ignored so trainer-specific extras do not break a turn. Multimodal inputs are refused
 (NotImplementedError): Prorsa engines take token ids only.
 """
 
@@ -60,6 +61,10 @@ def sampling_from_dict(params: dict[str, Any], default_max_tokens: int = 1024) -
         logprobs=bool(params.get("logprobs", True)),
         stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
         ignore_eos=bool(params.get("ignore_eos", False)),
+        presence_penalty=float(params.get("presence_penalty", 0.0)),
+        frequency_penalty=float(params.get("frequency_penalty", 0.0)),
+        repetition_penalty=float(params.get("repetition_penalty", 1.0)),
+        min_tokens=int(params.get("min_tokens", 0)),
     )
 
 

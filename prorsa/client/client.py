@@ -27,6 +27,11 @@ Faults it rides out:
   this client's run nonce and submission number (`<run_id>.<n>#<attempt>`), never the request id alone: a second
   run with the same trajectory ids is not silently dropped. A request id already in flight on this client is
   refused with a ValueError (its token streams could not be told apart).
+The RL control plane (`control.py`): `update_weights` makes a policy version current (durably: the policy KV
+bucket) and returns once every live engine serves it, else raises `WeightUpdateError` naming the engines that do
+not; `pause`/`resume` stop and restart all generation; `abort_older_than` aborts every turn of an older version
+and returns this client's partial outputs. Every result carries per-token versions (`GenerateResult.token_versions`),
+and a turn may name the oldest version it accepts (`min_policy_version`).
 The lean wire (`lean_wire`, on by default; `proto/context_log.py`): a turn whose prompt extends the trajectory's
 previous prompt sends only the ids after it, with a reference (`prefix_turn`, `prefix_len`) that the engine holding
 the previous prompt extends in memory; before publishing, the client writes the turn's segment to the context log,
@@ -46,17 +51,20 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 import proto
+from prorsa.client.control import PolicyControl
 from prorsa.client.directory import EngineDirectory
 from prorsa.client.lean_wire import ContextLogWriter, LeanPrompts, TurnWire
 from prorsa.client.recovery import replay, watch_reconnects
 from prorsa.client.stream import GenerateResult, StreamAssembler
+from prorsa.client.weights import WeightsAck
 from proto import (
     AbortRequest,
     EngineStats,
@@ -72,6 +80,7 @@ from proto import (
     TrajectoryStarted,
     TurnSubmitted,
 )
+from services.runtime.affinity import worth_prompts
 from services.runtime.bus import (
     TRANSIENT_PUBLISH_ERRORS,
     connect,
@@ -166,6 +175,7 @@ class RolloutClient:
         self.inline_max_tokens = inline_max_tokens
         self.context_log = ContextLogWriter(self.js, self.subjects, self.run_id, publish_wait_s)
         self.request_bytes = 0  # bytes of work requests published (first attempts)
+        self.control = PolicyControl(self)
 
     @classmethod
     async def connect(
@@ -188,6 +198,7 @@ class RolloutClient:
         await ensure_streams(self.js, self.subjects)
         self._subs.append(await self.nc.subscribe(f"{self._reply_prefix}.>", cb=self._on_chunk))
         self._subs.append(await self.nc.subscribe(self.subjects.all_engine_stats, cb=self._on_stats))
+        await self.control.start()
         self._tasks.append(asyncio.create_task(watch_reconnects(self.nc, self._on_reconnect)))
 
     async def close(self) -> None:
@@ -239,6 +250,14 @@ class RolloutClient:
         )
         return traj
 
+    async def close_trajectory(
+        self, traj_id: str, reward: float | None = None, status: str = "aborted"
+    ) -> None:
+        """Finish a trajectory this client does not hold (another client started it: a gateway before its restart):
+        its `TrajectoryFinished` (the tracker counts its turns) and the purge of its context log."""
+        await self.emit(TrajectoryFinished, traj_id=traj_id, status=status, reward=reward, turns=0)
+        await self.context_log.purge(traj_id)
+
     # --- the lean wire ---------------------------------------------------------------------------------------
     def check_payload(self, request: GenerateRequest) -> int:
         """The request's size in bytes. Raises PayloadTooLarge when it exceeds the server's max_payload."""
@@ -289,7 +308,7 @@ class RolloutClient:
             stalls = 0  # retries after retry_after_s without progress; outage retries do not count
             for attempt in itertools.count():
                 req = request if attempt == 0 else _with_attempt(request, attempt)
-                worth = request.prompt_len / new_tokens if new_tokens > 0 else 0.0
+                worth = worth_prompts(request.prompt_len, new_tokens)
                 await self._publish_request(req, f"{self.run_id}.{submission}#{attempt}", deadline, worth)
                 pending.last_progress_mono = time.monotonic()
                 result = await self._wait(pending, deadline)
@@ -404,15 +423,75 @@ class RolloutClient:
 
     async def _on_stats(self, msg: Msg) -> None:
         try:
-            self.directory.observe(proto.decode_as(msg.data, EngineStats, msg.subject), time.monotonic())
+            stats = proto.decode_as(msg.data, EngineStats, msg.subject)
         except ProtoError:
             self.bad_messages += 1
+            return
+        self.directory.observe(stats, time.monotonic())
+        self.control.on_stats(stats)
 
     async def abort(self, request_id: str, traj_id: str, reason: str = "") -> None:
         """Stop a turn on whichever engine holds it (or pulls it later): its `submit` then returns the partial
         output with finish_reason "abort", and the turn is never redelivered."""
         msg = AbortRequest(request_id=request_id, traj_id=traj_id, ts_s=self.clock.now_s(), reason=reason)
         await self.nc.publish(self.subjects.abort, proto.encode(msg))
+
+    # --- the RL control plane (control.py) -------------------------------------------------------------------
+    async def update_weights(
+        self,
+        version: int,
+        source: str = "",
+        *,
+        timeout_s: float = 300.0,
+        mode: str = "drain",
+        transfer: dict[str, Any] | None = None,
+    ) -> WeightsAck:
+        """Make `version` the current policy version, its weights at `source` (a checkpoint directory under the
+        engines' `--weights-root`; "" = reload their model path), and return once every live engine serves it.
+
+        `mode` "drain" (synchronous RL): each engine stops pulling, finishes its held turns (within `timeout_s`;
+        past it, it updates in flight), loads, resumes. "inflight" (asynchronous RL, AReaL, PipelineRL): each
+        engine loads between two steps and running turns go on, every token stamped with the version that sampled
+        it. The version is durable: an engine that starts or restarts loads it before pulling work.
+
+        `transfer`: tensors instead of a checkpoint (vLLM's weight-transfer API, after `init_weight_transfer`):
+        `{"update_info": ...}`, sent while the trainer broadcasts them (`weight_sync.BusWeightSyncClient` does both).
+
+        Raises WeightUpdateError (`.engines`: the live engines that do not serve it — they failed to load it,
+        `.failed` says why, or `timeout_s` ran out), ValueError (a version below the current one, a bad mode)."""
+        return await self.control.update_weights(version, source, timeout_s, mode, transfer)
+
+    async def init_weight_transfer(
+        self,
+        init_info: dict[str, Any],
+        rank_offsets: dict[str, int] | None = None,
+        *,
+        timeout_s: float = 300.0,
+    ) -> list[str]:
+        """Have every live engine join the trainer's weight-transfer group (vLLM's API; engines started with a
+        `weight_transfer_config`); `rank_offsets`: engine id → its first NCCL rank. Returns the engines once all
+        joined; raises WeightUpdateError naming those that did not. Run it while the trainer opens its end."""
+        return await self.control.init_weight_transfer(init_info, rank_offsets or {}, timeout_s)
+
+    async def pause(self, reason: str = "", *, timeout_s: float = 30.0) -> list[str]:
+        """Stop all generation cluster-wide: engines pull no more work and freeze their running turns; queued work
+        waits, nothing is lost. Returns the live engines, once each reports paused. Raises PauseError naming the
+        engines that did not within `timeout_s`."""
+        return await self.control.set_paused(True, reason, timeout_s)
+
+    async def resume(self, reason: str = "", *, timeout_s: float = 30.0) -> list[str]:
+        """Undo `pause`: frozen turns go on where they stopped and engines pull again. Raises PauseError as `pause`."""
+        return await self.control.set_paused(False, reason, timeout_s)
+
+    async def abort_older_than(
+        self, version: int, reason: str = "", *, timeout_s: float = 30.0
+    ) -> list[GenerateResult]:
+        """Abort every live turn (of every client) holding tokens of a policy version below `version`, or running
+        on such weights, in one call. Returns this client's aborted turns: their partial outputs with per-token
+        versions and finish_reason "abort" (their `generate` calls return the same results); a trainer resubmits
+        them with the partial output appended (partial rollout, as APRIL and AReaL do). Raises TimeoutError when
+        an aborted turn's final chunk does not come within `timeout_s`."""
+        return await self.control.abort_older_than(version, reason, timeout_s)
 
     @property
     def context_bytes(self) -> int:
@@ -421,6 +500,17 @@ class RolloutClient:
 
     def reply_subject(self, n: int) -> str:
         return f"{self._reply_prefix}.{n}"
+
+
+def checked_sampling(sampling: SamplingParams | dict) -> SamplingParams:
+    """`sampling` checked against the contract's bounds: a Struct's constructor does not check them, and an engine
+    would refuse the turn only once published. Raises TypeError for an unknown key of a dict, ValueError naming the
+    field for a value out of bounds (e.g. `top_logprobs` past 20)."""
+    params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+    try:
+        return msgspec.convert(msgspec.to_builtins(params), SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling: {exc}") from exc
 
 
 def _with_attempt(req: GenerateRequest, attempt: int) -> GenerateRequest:
@@ -455,14 +545,21 @@ class Trajectory:
         on_tokens: Callable[[list[int]], None] | None = None,
         timeout_s: float | None = None,
         on_chunk: Callable[[TokenChunk], None] | None = None,
+        min_policy_version: int = 0,
     ) -> GenerateResult:
-        """Run one model turn on the whole context `prompt_token_ids`; returns its output ids and logprobs.
+        """Run one model turn on the whole context `prompt_token_ids`; returns its output ids, logprobs and the
+        policy version of every token (`token_versions`).
 
         `on_tokens` sees each new batch of output ids as it streams; `on_chunk` each new `TokenChunk` whole
-        (its ids with their logprobs, in arrival order). Raises GenerateError when the engine rejects
-        the turn, TimeoutError when it makes no progress (after retries) or outlasts `timeout_s`.
+        (its ids with their logprobs and version, in arrival order). `min_policy_version`: the staleness bound, the
+        oldest version whose weights may serve this turn (an engine on older weights never does). Raises ValueError
+        for sampling outside the contract's bounds (before anything is sent), GenerateError when the engine rejects
+        the turn (one is `version_unavailable`: no engine knows a version that new), TimeoutError when it makes no
+        progress (after retries) or outlasts `timeout_s`.
         """
-        return await self._run_turn(prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk)
+        return await self._run_turn(
+            prompt_token_ids, sampling, None, on_tokens, timeout_s, on_chunk, min_policy_version
+        )
 
     async def _run_turn(
         self,
@@ -472,11 +569,12 @@ class Trajectory:
         on_tokens: Callable[[list[int]], None] | None,
         timeout_s: float | None,
         on_chunk: Callable[[TokenChunk], None] | None = None,
+        min_policy_version: int = 0,
     ) -> GenerateResult:
         """One turn; `hint` (the rollout driver's workload path, `workload_hint.generate_hinted`) or None."""
         if self.finished:
             raise RuntimeError(f"trajectory {self.traj_id} is finished")
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams(**sampling)
+        params = checked_sampling(sampling)
         self._check_prefix(prompt_token_ids)
         n = hint.prompt_len if hint is not None else len(prompt_token_ids)
         request_id = f"{self.traj_id}:{self.turn}"
@@ -500,6 +598,7 @@ class Trajectory:
             prefix_turn=wire.prefix_turn,
             prefix_len=wire.prefix_len,
             context_logged=lean,
+            min_policy_version=min_policy_version,
         )
         self.client.check_payload(
             req

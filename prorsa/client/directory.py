@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proto import EngineStats
+from services.runtime.affinity import MAX_WAITING, stays
 
 PREFILL_CAPABLE = ("prefill", "mixed")
 
@@ -24,7 +25,9 @@ class EngineDirectory:
     stale_after_s: float = 3.0  # upper bound on staleness, whatever the engine's cadence
     missed_intervals: float = 3.0
     min_stale_s: float = 0.5  # lower bound: jitter on a busy machine must not drop a live engine
-    max_waiting: int = 8  # beyond this queue depth affinity costs more than recomputing the prefix elsewhere
+    max_waiting: int = (
+        MAX_WAITING  # a turn waits behind at least this many prompts (services.runtime.affinity)
+    )
     engines: dict[str, EngineStats] = field(default_factory=dict)
     seen_at_s: dict[str, float] = field(default_factory=dict)
     interval_s: dict[str, float] = field(default_factory=dict)  # smoothed gap between an engine's reports
@@ -67,7 +70,7 @@ class EngineDirectory:
         so the turn stays however long the queue is by count: a 60k-token context is worth 25 prompts of 2.4k new
         tokens, and sent away after 8 it recomputed 60k tokens to skip 20k (and, under DP attention, stalled every
         rank's decode meanwhile)."""
-        return role in PREFILL_CAPABLE and not switching and waiting <= max(self.max_waiting, worth_prompts)
+        return role in PREFILL_CAPABLE and not switching and stays(waiting, worth_prompts, self.max_waiting)
 
     def group_target(self, now: float) -> str | None:
         """Where a group of turns sharing one prompt (a GRPO group) should all go, so the prompt is prefilled and

@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 
 from proto import Subjects
 from proto.context_log import ids_array
-from services.runtime.context_log_io import purge, write_segment
+from services.runtime.context_log_io import holds, purge, write_segment
 from services.runtime.logging import get_logger
 
 log = get_logger("rollout_client", "sdk")
@@ -55,7 +55,8 @@ class LeanPrompts:
 
 
 class ContextLogWriter:
-    """A client's writes to the context log: each turn's segment before the turn, a finished trajectory's purge."""
+    """A client's writes to the context log: each turn's segment before the turn, a finished trajectory's purge;
+    and whether a trajectory it does not hold has segments there (`holds`)."""
 
     def __init__(self, js: JetStreamContext, subjects: Subjects, writer: str, wait_s: float) -> None:
         self.js = js
@@ -72,6 +73,11 @@ class ContextLogWriter:
             self.js, self.subjects, traj_id, turn, wire.prefix_turn, wire.prefix_len, ids, max_payload,
             self.writer, self.wait_s,
         )  # fmt: skip
+
+    async def holds(self, traj_id: str) -> bool:
+        """Whether a trajectory with id `traj_id` has turns logged and is not finished (by any client). Raises the
+        bus's errors (nats.errors.Error, TimeoutError)."""
+        return await holds(self.js, self.subjects, traj_id)
 
     async def purge(self, traj_id: str) -> None:
         """Drop a finished trajectory's segments; a failure is only logged (the stream's max age removes them)."""

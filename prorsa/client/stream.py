@@ -14,7 +14,8 @@ Pure (no I/O). The rules, which make redelivery, migration and client retries ha
 - each attempt (`TokenChunk.attempt`: a client retry) is assembled on its own: chunk boundaries depend on timing,
   so index k of one attempt need not hold the tokens of index k of another; the first attempt to complete is the
   result;
-- once complete, the result is frozen: later chunks (a late duplicate attempt) change nothing.
+- once complete, the result is frozen: later chunks (a late duplicate attempt) change nothing;
+- every chunk names the policy version that sampled its tokens: the result's `token_versions` repeat it over them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class GenerateResult:
     policy_version: int
     restarts: int  # times the stream restarted from scratch (engine loss)
     error: str = ""
+    # Per output token, the `sampling.top_logprobs` most likely (token id, logprob), the most likely first; None
+    # when not asked for (or an engine sent a chunk without them).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The policy version whose weights sampled each output token, aligned with `token_ids` (each chunk's version
+    # over its tokens: a chunk never spans two). A turn that straddles an in-flight update holds two versions.
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -138,9 +145,15 @@ class StreamAssembler:
         ordered = [a.chunks[i] for i in range(a.final_index + 1)]
         last = ordered[-1]
         tokens = [t for c in ordered for t in c.token_ids]
+        versions = [c.policy_version for c in ordered for _ in c.token_ids]
         logprobs: list[float] | None = None
         if all(c.logprobs is not None or not c.token_ids for c in ordered):  # a chunk of no tokens needs none
             logprobs = [lp for c in ordered for lp in (c.logprobs or [])]
+        top: list[list[tuple[int, float]]] | None = None
+        if any(c.top_logprobs for c in ordered) and all(
+            c.top_logprobs is not None or not c.token_ids for c in ordered
+        ):
+            top = [list(alts) for c in ordered for alts in (c.top_logprobs or [])]
         return GenerateResult(
             request_id=self.request_id,
             token_ids=tokens,
@@ -155,4 +168,6 @@ class StreamAssembler:
             policy_version=last.policy_version,
             restarts=self.restarts,
             error=last.error,
+            top_logprobs=top,
+            token_versions=versions,
         )

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from prorsa.gateway.app import HttpConfig
-    from prorsa.gateway.server import ServeConfig, api_key_from_env, serve
+    from prorsa.gateway.server import ServeConfig, admin_api_key_from_env, api_key_from_env, serve
     from prorsa.gateway.turns import GatewayConfig
     from services.runtime.bus import namespace_from_env, nats_url_from_env
     from services.runtime.logging import configure_logging
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         http=HttpConfig(
             api_key=api_key_from_env(),
+            admin_api_key=admin_api_key_from_env(),
             max_body_bytes=args.max_body_bytes,
             max_concurrent_turns=args.max_concurrent_turns,
             tool_parser=args.tool_parser,

@@ -2,16 +2,18 @@
 
   POST /v1/chat/completions              chat template applied incrementally; session = trajectory
   POST /v1/completions                   prompt as text or token ids
-  POST /generate                         SGLang-shaped token-in/token-out
+  POST /generate                         SGLang-shaped token-in/token-out (SSE with stream: true)
   POST /v1/trajectories/{id}/finish      reward and outcome (as the SDK's `finish`)
   POST /v1/trajectories/{id}/abort       stop the session's running turn, close the trajectory as aborted
+  POST /v1/weights, /v1/pause, /v1/resume, /v1/abort   the trainer's control plane (admin.py; the admin key)
   GET  /v1/models, /health, /metrics
 
 A session is named by the `X-Prorsa-Trajectory` header or the body's `trajectory_id` (an OpenAI client's
 `extra_body`). Every refusal is a JSON error body in OpenAI's shape, counted by kind: malformed JSON or a field
 Prorsa cannot honour (400, naming it), a missing or wrong API key (401), an unknown session (404), a finished or
-busy session (409), a body over `max_body_bytes` (413), too many turns at once or a saturated cluster (429 with
-Retry-After). Bodies are parsed here (not by a framework's validator) so every error has that one shape.
+busy session (409), a session open on the bus but not here (409 `session_lost`: the gateway restarted), a body
+over `max_body_bytes` (413), too many turns at once or a saturated cluster (429 with Retry-After). Bodies are parsed
+here (not by a framework's validator) so every error has that one shape.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from starlette.routing import Route
 
 from prorsa.client.client import Trajectory
 from prorsa.gateway import shapes, streaming
+from prorsa.gateway.admin import Admin, AdminError
 from prorsa.gateway.chat_template import TemplateError
 from prorsa.gateway.sampling import Sampling, UnsupportedField, build_sampling
 from prorsa.gateway.schemas import (
@@ -47,6 +50,7 @@ from prorsa.gateway.schemas import (
 from prorsa.gateway.sessions import Session
 from prorsa.gateway.tool_parser import make_parser
 from prorsa.gateway.turns import Gateway, PromptBuilder, Turn, TurnError
+from proto import MAX_TOP_LOGPROBS
 
 M = TypeVar("M", bound=BaseModel)
 SESSION_HEADER = "x-prorsa-trajectory"
@@ -57,6 +61,7 @@ DISCONNECT_POLL_S = 0.5  # how often a client waiting for a whole answer is chec
 @dataclass
 class HttpConfig:
     api_key: str = ""  # "" = no key required
+    admin_api_key: str = ""  # the admin endpoints' key ("" = the api_key, if any, serves them too)
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_turns: int = 4096  # turns running at once; more are refused with 429
     tool_parser: str = "hermes"
@@ -77,6 +82,10 @@ def build_app(gw: Gateway, http: HttpConfig) -> Starlette:
         Route("/generate", api.endpoint("generate", api.generate), methods=["POST"]),
         Route("/v1/trajectories/{traj_id}/finish", api.endpoint("finish", api.finish), methods=["POST"]),
         Route("/v1/trajectories/{traj_id}/abort", api.endpoint("abort", api.abort), methods=["POST"]),
+        Route("/v1/weights", api.endpoint("weights", api.admin.weights, admin=True), methods=["POST"]),
+        Route("/v1/pause", api.endpoint("pause", api.admin.pause, admin=True), methods=["POST"]),
+        Route("/v1/resume", api.endpoint("resume", api.admin.resume, admin=True), methods=["POST"]),
+        Route("/v1/abort", api.endpoint("abort_older_than", api.admin.abort, admin=True), methods=["POST"]),
         Route("/v1/models", api.endpoint("models", api.models), methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_page, methods=["GET"]),
@@ -95,15 +104,21 @@ class _Api:
             http.tool_parser, gw.tokenizer.tok if gw.tokenizer is not None else None
         )
         self._aborting: set[asyncio.Future] = set()  # aborts outliving their request, held till done
+        self.admin = Admin(gw.client, self._parse)
 
     # --- the frame every endpoint runs in: auth, errors, counting ----------------------------------------------
     def endpoint(
-        self, name: str, handler: Callable[[Request], Awaitable[Response]]
+        self, name: str, handler: Callable[[Request], Awaitable[Response]], admin: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             try:
-                self._authorise(request)
+                self._authorise(request, admin)
                 response = await handler(request)
+            except AdminError as exc:
+                response = self._error(exc.status, exc.code, str(exc), None)
+                body = json.loads(bytes(response.body))
+                body["error"].update(engines=exc.engines, failed=exc.failed)
+                response = JSONResponse(body, status_code=exc.status)
             except HttpError as exc:
                 response = self._error(exc.status, exc.code, str(exc), exc.param)
             except TurnError as exc:
@@ -127,13 +142,17 @@ class _Api:
             shapes.error_body(message, code, param, kind), status_code=status, headers=headers
         )
 
-    def _authorise(self, request: Request) -> None:
-        if not self.http.api_key:
+    def _authorise(self, request: Request, admin: bool = False) -> None:
+        """The key an endpoint needs: the admin key for the control plane when one is set (the plain key then
+        does not do), else the gateway's key; none when neither is set (an open gateway, warned at start)."""
+        key = self.http.admin_api_key or self.http.api_key if admin else self.http.api_key
+        if not key:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.http.api_key):
-            raise HttpError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer KEY)")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            what = "admin API key" if admin and self.http.admin_api_key else "API key"
+            raise HttpError(401, "invalid_api_key", f"missing or wrong {what} (Authorization: Bearer KEY)")
 
     async def _parse(self, request: Request, model: type[M]) -> M:
         declared = request.headers.get("content-length")
@@ -226,10 +245,8 @@ class _Api:
     async def chat(self, request: Request) -> Response:
         req = await self._parse(request, ChatRequest)
         tok = self._tokenizer("chat")
-        if req.top_logprobs:
-            raise UnsupportedField(
-                "top_logprobs", "top-k logprobs are not returned: only the sampled token's"
-            )
+        if req.top_logprobs and not req.logprobs:
+            raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true (as OpenAI's API)")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise UnsupportedField("response_format", "only response_format type 'text' is supported")
         if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
@@ -265,9 +282,10 @@ class _Api:
 
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
-        if req.logprobs is not None and req.logprobs > 0:
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise UnsupportedField(
-                "logprobs", "top-k logprobs are not returned: logprobs=0 gives the sampled token's"
+                "logprobs",
+                f"logprobs={req.logprobs}: 0 (the sampled token's) to {MAX_TOP_LOGPROBS} alternatives",
             )
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -277,7 +295,8 @@ class _Api:
         ids = self._tokenizer("a text prompt").encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise HttpError(400, "invalid_field", "the prompt is empty", "prompt")
-        sampling = build_sampling(req.model_dump(), self.gw.config.max_tokens_cap)
+        fields = req.model_dump() | {"top_logprobs": req.logprobs or 0}
+        sampling = build_sampling(fields, self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
         builder = self._ids_builder(ids)
         if req.stream:
@@ -299,8 +318,6 @@ class _Api:
 
     async def generate(self, request: Request) -> Response:
         req = await self._parse(request, GenerateRequest)
-        if req.stream:
-            raise UnsupportedField("stream", "/generate answers whole turns; stream on /v1/completions")
         fields: dict[str, Any] = {}
         for key, value in req.sampling_params.items():
             if key not in SGLANG_SAMPLING:
@@ -309,6 +326,11 @@ class _Api:
                 fields[SGLANG_SAMPLING[key]] = value
         if fields.get("n", 1) != 1:
             raise UnsupportedField("sampling_params.n", "/generate takes one sample; send n requests")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise UnsupportedField("top_logprobs_num", f"top_logprobs_num: 0 to {MAX_TOP_LOGPROBS}")
+        if req.top_logprobs_num and not req.return_logprob:
+            raise UnsupportedField("top_logprobs_num", "top_logprobs_num needs return_logprob: true")
+        fields["top_logprobs"] = req.top_logprobs_num
         if req.input_ids is not None:
             ids = list(req.input_ids)
         elif req.text is not None:
@@ -319,21 +341,28 @@ class _Api:
             raise HttpError(400, "invalid_field", "the prompt is empty", "input_ids")
         sampling = build_sampling(fields, self.gw.config.max_tokens_cap)
         session_id = self._session_id(request, req.trajectory_id)
-        turns = await self._answer(
-            request, session_id, 1, self._ids_builder(ids), sampling, req.task, req.policy_version
-        )
+        builder = self._ids_builder(ids)
+        if req.stream:
+            events = functools.partial(
+                streaming.generate_events,
+                hold_text=bool(sampling.stop),
+                logprobs=req.return_logprob,
+                decode=self.gw.tokenizer.decode if self.gw.tokenizer is not None else None,
+            )
+            return await self._stream(session_id, builder, sampling, req.task, req.policy_version, events)
+        turns = await self._answer(request, session_id, 1, builder, sampling, req.task, req.policy_version)
         return JSONResponse(shapes.generate_response(turns[0], req.return_logprob))
 
     async def finish(self, request: Request) -> Response:
         req = await self._parse(request, FinishRequest)
         traj_id = request.path_params["traj_id"]
-        s = await self.gw.finish(traj_id, req.reward, req.status)
-        return JSONResponse({"id": traj_id, "object": "trajectory", "status": req.status, "turns": s.turns})
+        turns = await self.gw.finish(traj_id, req.reward, req.status)
+        return JSONResponse({"id": traj_id, "object": "trajectory", "status": req.status, "turns": turns})
 
     async def abort(self, request: Request) -> Response:
         traj_id = request.path_params["traj_id"]
-        s = await self.gw.abort(traj_id)
-        return JSONResponse({"id": traj_id, "object": "trajectory", "status": "aborted", "turns": s.turns})
+        turns = await self.gw.abort(traj_id)
+        return JSONResponse({"id": traj_id, "object": "trajectory", "status": "aborted", "turns": turns})
 
     async def models(self, request: Request) -> Response:
         name = self.gw.config.model_name

@@ -1,9 +1,9 @@
 """Request bodies of the gateway's endpoints, as pydantic models following the OpenAI (and SGLang) schema.
 
 Unknown top-level fields are refused (`extra="forbid"`: a 400 naming the field), so nothing a client asks for is
-silently dropped; the fields of `sampling.py`'s refusal table are accepted here only to be refused there with a
-reason. Session fields (`trajectory_id`, `task`, `policy_version`) are Prorsa's additions, sent by an OpenAI client
-through `extra_body`. Messages accept the extra fields an OpenAI client echoes back from a response (`refusal`,
+silently dropped; the fields of `sampling.py`'s refusal table (min_p, logit_bias, guided decoding, ...) are accepted
+here only to be refused there with a reason. Session fields (`trajectory_id`, `task`, `policy_version`) are
+Prorsa's additions, sent by an OpenAI client through `extra_body`. Messages accept the extra fields an OpenAI client echoes back from a response (`refusal`,
 `annotations`, ...) and keep only what the chat template reads (`template_message`).
 """
 
@@ -45,12 +45,12 @@ class _Sampling(_Strict):
     stream_options: dict[str, Any] | None = None
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM's flag; ids are always returned (RL needs them)
-    logprobs_mode: str | None = None
-    # Refused unless neutral (sampling._NEUTRAL): accepted here so the refusal names the reason.
+    logprobs_mode: str | None = None  # "raw_logprobs" | "processed_logprobs" (sampling.py's module doc)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    repetition_penalty: float | None = None  # vLLM's extra field
+    min_tokens: int | None = None  # vLLM's extra field
+    # Refused unless neutral (sampling._NEUTRAL): accepted here so the refusal names the reason.
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
@@ -60,7 +60,8 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling, _Session):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # OpenAI: top-k count; 0 returns the sampled token's logprob only
+    # OpenAI: k alternatives per token as well; 0 returns the sampled token's only
+    logprobs: int | None = None
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -104,7 +105,7 @@ class ChatRequest(_Sampling, _Session):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # k alternatives per token (with logprobs)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -118,6 +119,8 @@ class GenerateRequest(_Session):
     text: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     return_logprob: bool = False
+    # k alternatives per token (`meta_info.output_top_logprobs`, with return_logprob)
+    top_logprobs_num: int = 0
     stream: bool = False
     rid: str | None = None
 

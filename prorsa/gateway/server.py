@@ -1,8 +1,10 @@
 """One gateway process: a client SDK connection to the bus, the tokenizer, and the HTTP app on uvicorn.
 
 Stateless apart from its sessions (`sessions.py`): run several behind a load balancer that keeps a session on one
-process (e.g. by the `X-Prorsa-Trajectory` header). It joins the bus as a trainer (`PRORSA_NATS_*`, e.g. the
-`trainer.env` that `prorsa up` writes), and requires the API key in `PRORSA_API_KEY` when that is set.
+process (e.g. by the `X-Prorsa-Trajectory` header); a session that reaches another process, or this one after a
+restart, is refused by name (409 `session_lost`, `turns.py`), never forked. It joins the bus as a trainer (`PRORSA_NATS_*`, e.g. the
+`trainer.env` that `prorsa up` writes), and requires the API key in `PRORSA_API_KEY` when that is set; the trainer's
+control plane (`admin.py`) requires `PRORSA_ADMIN_API_KEY` when that is set.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from services.runtime.credentials import BusCredentials
 from services.runtime.logging import get_logger
 
 API_KEY_ENV = "PRORSA_API_KEY"
+ADMIN_API_KEY_ENV = (
+    "PRORSA_ADMIN_API_KEY"  # the control plane's (/v1/weights, /v1/pause, ...); unset: API_KEY_ENV's
+)
 log = get_logger("gateway", "")
 
 
@@ -94,3 +99,7 @@ async def serve(config: ServeConfig) -> None:
 
 def api_key_from_env() -> str:
     return os.environ.get(API_KEY_ENV, "")
+
+
+def admin_api_key_from_env() -> str:
+    return os.environ.get(ADMIN_API_KEY_ENV, "")

@@ -1,9 +1,10 @@
 """Sessions of the gateway: one session = one trajectory, its turns' ids, and whether each new turn extends the last.
 
 Pure (no I/O, no clock: `now` is passed in). The gateway's only state; a session the gateway does not know starts a
-new trajectory (`acquire`), a finished one is refused (its id is remembered, not its state: the last
-`max_finished`), and two requests of one session at once are refused (their turns would share a request id). A
-session idle for long (`idle`: an agent that never came back) is for the caller to close.
+new trajectory (`acquire`) unless the caller finds it open on the bus (opened before a restart, or by another
+gateway: its state is not here, so it is `forget`-ten and refused), a finished one is refused (its id is remembered,
+not its state: the last `max_finished`), and two requests of one session at once are refused (their turns would
+share a request id). A session idle for long (`idle`: an agent that never came back) is for the caller to close.
 
 Prefix rule (DESIGN.md principle 9): turn k+1's prompt must extend turn k's prompt + output. A chat request
 extends it when it repeats the messages of turn k's request unchanged, then turn k's assistant message, then new
@@ -143,6 +144,16 @@ class SessionTable:
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
         return s
+
+    def forget(self, traj_id: str) -> None:
+        """Drop a session `acquire` just opened that cannot go on here (the caller found it open on the bus)."""
+        self.sessions.pop(traj_id, None)
+
+    def closed(self, traj_id: str) -> None:
+        """Remember as finished a session this table never held (one closed on the bus for another gateway)."""
+        self.finished[traj_id] = None
+        while len(self.finished) > self.max_finished:
+            self.finished.popitem(last=False)
 
     def idle(self, now: float, idle_s: float) -> list[str]:
         """Sessions with no turn running and none for `idle_s` (since their last response, or their opening)."""

@@ -4,6 +4,11 @@ Each HTTP request becomes one turn (or n, for a group): the session is acquired 
 by the caller from it, the turn run with `Trajectory.generate` (so placement, affinity, retries and exactly-once
 streams are the SDK's), stop strings applied, and the session told what the next turn must extend.
 
+A gateway that restarts loses its sessions (their turns' ids live only here). A request naming a session this process
+does not hold, but which the bus holds open (its turns are in the context log and it was not finished), is answered
+409 `session_lost`, never continued from a guess and never started afresh under an id whose request ids the engines
+have seen: the client starts a new session, and `/finish` or `/abort` of the lost one closes it on the bus.
+
 The tool call is the gap between a session's turns: after a response goes out the gateway reports the tool call's
 start, and when the session's next request arrives its end (with the observation's size: the prompt's new tokens),
 so the tracker sees every agent's tool calls without the agent saying anything. A request with no session is a
@@ -18,6 +23,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import nats
+
 from prorsa.client.client import ClusterSaturated, GenerateError, RolloutClient, Trajectory
 from prorsa.gateway.chat_template import ChatTokenizer
 from prorsa.gateway.metrics import GatewayMetrics
@@ -27,6 +34,19 @@ from proto import TokenChunk
 from services.runtime.logging import get_logger
 
 log = get_logger("gateway", "")
+
+
+def _lost(traj_id: str) -> str:
+    return (
+        f"session {traj_id!r} is open on the bus but not held by this gateway process (it restarted, or another "
+        "gateway holds the session): its turns' token ids are not here, so it cannot go on token-exactly. Start a "
+        f"new session (a new trajectory id); POST /v1/trajectories/{traj_id}/finish (with its reward) or /abort "
+        "closes this one"
+    )
+
+
+# Sampling fields only an engine can check (its own logprobs kind and top-k limit).
+_ENGINE_CHECKED = ("logprobs_mode", "top_logprobs")
 
 
 class TurnError(Exception):
@@ -54,6 +74,10 @@ class Turn:
     engine_id: str
     policy_version: int
     ttft_s: float
+    # Per output token, its k most likely (token id, logprob), the most likely first (sampling.top_logprobs = k)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The policy version that sampled each output id (aligned with output_ids).
+    token_versions: tuple[int, ...] = ()
 
 
 @dataclass
@@ -125,6 +149,9 @@ class Gateway:
             self.running[session_id] = current
         try:
             if fresh:
+                if await self._open_on_bus(session_id):
+                    self.sessions.forget(session_id)
+                    raise TurnError(409, "session_lost", _lost(session_id))
                 self.trajectories[session_id] = await self.client.start_trajectory(
                     session_id, task=task, policy_version=policy_version, group=group
                 )
@@ -183,13 +210,16 @@ class Gateway:
         turn = traj.turn
         watch = on_chunk
         if sampling.stop and self.tokenizer is not None:
-            watch = self._stop_watch(traj, sampling.stop, self.tokenizer, on_chunk)
+            watch = self._stop_watch(traj, sampling, self.tokenizer, on_chunk)
         self.metrics.in_flight.inc()
         self.live[traj.traj_id] = traj
         try:
             result = await traj.generate(prompt_ids, sampling.params, on_chunk=watch)
         except GenerateError as exc:
-            raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}") from exc
+            # An engine's refusal of a sampling field starts with the field's name (the backends'
+            # `sampling_problem`): name it as the refusals made here do.
+            param = next((f for f in _ENGINE_CHECKED if str(exc).startswith(f)), None)
+            raise TurnError(400, "invalid_request", f"the engine refused the turn: {exc}", param) from exc
         except ClusterSaturated as exc:
             raise TurnError(429, "overloaded", str(exc)) from exc
         except TimeoutError as exc:
@@ -198,13 +228,15 @@ class Gateway:
             self.live.pop(traj.traj_id, None)
             self.metrics.in_flight.dec()
         ids, logprobs, reason = list(result.token_ids), result.logprobs, result.finish_reason
+        top = result.top_logprobs
         text = self.decode(ids)
         if sampling.stop and self.tokenizer is not None:
-            cut = cut_at_stop(ids, sampling.stop, self.tokenizer.decode)
+            cut = cut_at_stop(ids, sampling.stop, self.tokenizer.decode, sampling.params.min_tokens)
             if cut is not None:
                 keep, text = cut
                 ids, reason = ids[:keep], "stop"
                 logprobs = logprobs[:keep] if logprobs is not None else None
+                top = top[:keep] if top is not None else None
                 # The turn's output is what the caller keeps: the next prompt extends that, not the tokens the
                 # engine sampled past the stop string (so the SDK's prefix check agrees with the session's).
                 traj.last_context = [*prompt_ids, *ids]
@@ -220,12 +252,14 @@ class Gateway:
             result.engine_id,
             result.policy_version,
             result.ttft_s,
+            top,
+            tuple(result.token_versions[: len(ids)]),
         )
 
     def _stop_watch(
         self,
         traj: Trajectory,
-        stops: tuple[str, ...],
+        sampling: Sampling,
         tokenizer: ChatTokenizer,
         on_chunk: Callable[[TokenChunk], None] | None,
     ) -> Callable[[TokenChunk], None]:
@@ -237,6 +271,7 @@ class Gateway:
         # vocabulary, hence the margin), so a long output costs one short decode per chunk, not a whole one.
         # A stop string missed here (all of it inside out-of-vocabulary ids) only delays the abort: the cut in
         # `_generate` reads the whole output.
+        stops, min_tokens = sampling.stop, sampling.params.min_tokens
         margin = 4 * max(len(s) for s in stops) + 8
         aborted = False
 
@@ -248,7 +283,11 @@ class Gateway:
                 return
             ids.extend(chunk.token_ids)
             tail = tokenizer.decode(ids[-(len(chunk.token_ids) + margin) :])
-            if any(s in tail for s in stops):
+            # With min_tokens, a stop string in the tail may lie within the first min_tokens tokens, where it does
+            # not count: the whole cut decides then (rarely: only once the tail holds one).
+            if any(s in tail for s in stops) and (
+                min_tokens == 0 or cut_at_stop(ids, stops, tokenizer.decode, min_tokens) is not None
+            ):
                 aborted = True
                 self.metrics.aborts.labels(cause="stop").inc()
                 task = asyncio.ensure_future(traj.abort("stop string"))
@@ -306,8 +345,30 @@ class Gateway:
                 "max_tokens",
             )
 
-    async def finish(self, traj_id: str, reward: float | None, status: str) -> Session:
-        """Close a session as the SDK's `finish` does. Raises TurnError (404 unknown, 409 finished or busy)."""
+    async def _open_on_bus(self, traj_id: str) -> bool:
+        """Whether `traj_id`, unknown here, is a trajectory open on the bus (see the module doc). Raises TurnError
+        503 when the bus cannot say."""
+        try:
+            return await self.client.context_log.holds(traj_id)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise TurnError(
+                503, "bus_unavailable", f"cannot look up session {traj_id!r} on the bus: {exc!r}"
+            ) from exc
+
+    async def _close_lost(self, traj_id: str, reward: float | None, status: str) -> bool:
+        """Close on the bus a session open there but not here (see the module doc); False: the bus does not hold
+        it either."""
+        if not await self._open_on_bus(traj_id):
+            return False
+        await self.client.close_trajectory(traj_id, reward=reward, status=status)
+        self.sessions.closed(traj_id)
+        log.info("lost_session_closed", traj_id=traj_id, status=status)
+        return True
+
+    async def finish(self, traj_id: str, reward: float | None, status: str) -> int | None:
+        """Close a session as the SDK's `finish` does; returns its turns (None: a session opened before a restart
+        or by another gateway, closed on the bus, its turns counted by the tracker). Raises TurnError (404
+        unknown, 409 finished or busy)."""
         try:
             s = self.sessions.get(traj_id)
             if s.busy:
@@ -316,6 +377,8 @@ class Gateway:
                 )
             self.sessions.finish(traj_id)
         except SessionError as exc:
+            if exc.status == 404 and await self._close_lost(traj_id, reward, status):
+                return None
             raise TurnError(exc.status, exc.code, str(exc)) from exc
         traj = self.trajectories.pop(traj_id)
         gap = self._tool_started.pop(traj_id, None)
@@ -323,7 +386,7 @@ class Gateway:
             await gap
         await traj.finish(reward=reward, status=status)  # type: ignore[arg-type]
         self.metrics.sessions.set(len(self.sessions))
-        return s
+        return s.turns
 
     async def abort_all(self) -> int:
         """A stopping gateway's last word: abort every running turn on its engine (answered "abort" to the clients
@@ -346,12 +409,14 @@ class Gateway:
             closed.append(traj_id)
         return closed
 
-    async def abort(self, traj_id: str) -> Session:
-        """Stop the session's running turn, if any, and close its trajectory as aborted. Raises TurnError (404
-        unknown, 409 finished)."""
+    async def abort(self, traj_id: str) -> int | None:
+        """Stop the session's running turn, if any, and close its trajectory as aborted; returns its turns (None: a
+        lost session, as `finish`). Raises TurnError (404 unknown, 409 finished)."""
         try:
             self.sessions.get(traj_id)
         except SessionError as exc:
+            if exc.status == 404 and await self._close_lost(traj_id, None, "aborted"):
+                return None
             raise TurnError(exc.status, exc.code, str(exc)) from exc
         task = self.running.get(traj_id)
         if task is not None and not task.done():

@@ -100,7 +100,10 @@ class RolloutDriver:
     async def _train(self) -> None:
         await self.clock.sleep_s(self.config.training_s)
         self.version += 1
-        update = PolicyVersionUpdate(version=self.version, ts_s=self.clock.now_s())
+        # Async mode trains while turns run: load between engine steps (tokens stamped with their version) rather
+        # than stop pulling until held turns end. Sync mode updates between steps, with nothing to drain.
+        mode = "inflight" if self.config.mode == "async" else "drain"
+        update = PolicyVersionUpdate(version=self.version, ts_s=self.clock.now_s(), mode=mode)
         await self.client.nc.publish(self.client.subjects.policy_version, proto.encode(update))
 
     async def _trajectory(self, spec: TrajectorySpec, total: int, t_step: float) -> None:

@@ -46,6 +46,7 @@ from services.engine_agent.pull_capacity import (
     prefill_fetch,
     pull_size,
 )
+from services.runtime.affinity import worth_prompts
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
@@ -153,7 +154,7 @@ class Router:
             # The fields `EngineStats` reports (`SimEngine.stats`), read directly: this runs once per turn.
             waiting = len(engine.queue) + len(engine.arrivals) + engine.incoming + len(engine.own_prompts)
             new = traj.spec.turns[req.turn].new_prompt_tokens
-            worth = req.context_tokens / new if new > 0 else 0.0
+            worth = worth_prompts(req.context_tokens, new)
             if self.directory.accepts_state(engine.role, engine.state != ACTIVE, waiting, worth):
                 self.affinity_hits += 1
                 self._address(engine, req, now)

@@ -4,8 +4,9 @@ It pulls generation work for its role (`puller.py`), runs it on its backend (`ru
 progress events on `events.<engine_id>` and `EngineStats` every second on `stats.<engine_id>`, switches role on
 `RoleSwitchCommand`s (request/reply on `cmd.<engine_id>`, epoch-fenced by `role_state.py`, run by `switch_drain.py`:
 in place, or drained and restarted where the new role's layout differs; the ack is the reply and is also published
-on `ack.<engine_id>`), and picks up new weights
-announced on `policy.version` between requests.
+on `ack.<engine_id>`), and serves the policy version the trainer made current (`weights.py`: read from the policy KV
+bucket before it pulls any work, watched after; drain or in-flight loads, pause/resume, abort by version,
+`WeightsStatus` for the trainer's barrier).
 
 Roles: `prefill` takes GenerateRequests and hands their KV to the decode queue; `decode` takes DecodeHandoffs and
 streams tokens; `mixed` (colocation) takes GenerateRequests and decodes them itself, and takes handoffs when it has
@@ -28,6 +29,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from proto import (
+    AbortOlderThan,
     AbortRequest,
     EngineStats,
     Message,
@@ -54,7 +56,8 @@ from services.engine_agent.role_state import (
 )
 from services.engine_agent.runner import JobRunner
 from services.engine_agent.switch_drain import hand_off_all, run_switch, wait_jobs
-from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP, check_update, resolve
+from services.engine_agent.weights import WeightsControl
+from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP
 from services.runtime.bus import BUS_ERRORS
 from services.runtime.service import Service
 
@@ -85,8 +88,6 @@ class AgentConfig:
     max_fetch: int = 16
     own_poll_s: float = 0.02  # mixed role: the short poll of the decode queues (see puller.py)
     any_poll_s: float = 0.25  # every queue's long poll: paces only idle fetches, never delays a message
-    # Scaled seconds (waiting for generation, which runs on the scaled clock):
-    weights_drain_timeout_s: float = 10.0  # a weight update waits this long for held requests to finish
     stop_timeout_s: float = 10.0  # wall seconds: graceful stop, time to hand on held work (publish and ack)
     # Bounds on what a command or update may ask (role_state.py, weights_guard.py):
     max_epoch_jump: int = DEFAULT_MAX_EPOCH_JUMP
@@ -125,7 +126,6 @@ class EngineAgent(Service):
         self.domain_metrics = EngineMetrics(self.metrics, engine_id)
         self.config = config or AgentConfig()
         self.role_state = initial_state(engine_id, self.config.role, self.config.max_epoch_jump)
-        self.policy_version = 0
         self.last_switch_s = 0.0
         self.contexts = ContextResolver(
             self._connection, self.subjects, ContextCache(self.config.context_cache_tokens)
@@ -147,8 +147,7 @@ class EngineAgent(Service):
         self.reconfig_lock = asyncio.Lock()  # one backend reconfiguration (role or weights) at a time
         self._waiters: dict[int, list[str]] = {}  # epoch -> reply subjects waiting for its ack
         self._event_seq = 0
-        self._pending_update: PolicyVersionUpdate | None = None
-        self._weights_task: asyncio.Task[Any] | None = None
+        self.weights = WeightsControl(self)
         self._stats_prev = (self.clock.monotonic_s(), 0, 0, 0)
         self._hit_rate = 0.0
         self._addressed_waiting = 0  # the addressed queue's backlog, as of the last stats loop (EngineStats)
@@ -159,6 +158,11 @@ class EngineAgent(Service):
     @property
     def role(self) -> str:
         return self.role_state.role
+
+    @property
+    def policy_version(self) -> int:
+        """The version whose weights serve now (the backend's: it switches between two engine steps)."""
+        return int(self.backend.policy_version)
 
     def _connection(self) -> NATS:
         assert self.nc is not None, "the context log is read only while connected"
@@ -171,19 +175,22 @@ class EngineAgent(Service):
         # to load: report "degraded" (details: starting=True) until the engine serves, so `prorsa up` and
         # `prorsa status` do not call a loading engine healthy.
         self.status = "degraded"
+        # From now on the weights barrier sees this engine, as "starting" until it serves the current version.
+        self.spawn(self.weights.status_loop(self.config.stats_interval_s), name="weights_status")
         try:
             await asyncio.wait_for(self.backend.start(), self.config.start_timeout_s)
         except TimeoutError:
             raise BackendError(
                 f"engine {self.engine_id} did not start within {self.config.start_timeout_s:.0f} s"
             ) from None
+        await self.weights.start()  # the current policy version (and pause flag) before any work is pulled
         await self.puller.setup()
         await self.subscribe(
             self.subjects.engine_command(self.engine_id), self._on_command, RoleSwitchCommand
         )
-        await self.subscribe(self.subjects.policy_version, self._on_policy, PolicyVersionUpdate)
+        await self.subscribe(self.subjects.policy_version, self.weights.on_core_update, PolicyVersionUpdate)
         await self.subscribe(self.subjects.all_engine_stats, self.rescue.on_stats, EngineStats)
-        await self.subscribe(self.subjects.abort, self._on_abort, AbortRequest)
+        await self.subscribe(self.subjects.abort, self._on_abort, (AbortRequest, AbortOlderThan))
         self.spawn(self.puller.run(), name="pull")
         self.spawn(self.rescue.run(), name="rescue")
         self.spawn(self.runner.heartbeat_loop(max(0.05, self.config.ack_wait_s / 3)), name="heartbeat")
@@ -202,6 +209,7 @@ class EngineAgent(Service):
         try:
             if self._serving and not self._handed_off and self.nc is not None and self.nc.is_connected:
                 self._handed_off = True
+                await self.weights.release()  # a paused engine must run again to hand its frozen turns on
                 moved = await hand_off_all(self, self.config.stop_timeout_s)
                 self.log.info("work_handed_off_at_stop", requests=moved)
         except (BackendError, *BUS_ERRORS) as exc:  # what was not handed on is redelivered after ack_wait
@@ -264,6 +272,8 @@ class EngineAgent(Service):
             "switching": self.role_state.switching,
             "held_requests": len(self.runner.jobs),
             "policy_version": self.policy_version,
+            "weights": self.weights.state.phase,
+            "paused": self.weights.state.paused,
             "backend": self.backend.name,
             "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
@@ -294,6 +304,9 @@ class EngineAgent(Service):
             self.log.warning("event_publish_failed", message_type=type(msg).__name__, error=repr(exc))
 
     async def _on_abort(self, msg: Message, raw: Any) -> None:
+        if isinstance(msg, AbortOlderThan):
+            await self.weights.on_abort_older(msg, raw)
+            return
         assert isinstance(msg, AbortRequest)
         self.log.info("abort_requested", request_id=msg.request_id, held=msg.request_id in self.runner.jobs)
         await self.runner.abort_request(msg.request_id)
@@ -359,50 +372,6 @@ class EngineAgent(Service):
                 await self.publish(reply, ack)
         with contextlib.suppress(*BUS_ERRORS):
             await self.publish(self.subjects.engine_ack(self.engine_id), ack)
-
-    # -- weights -------------------------------------------------------------------------------------------------
-
-    async def _on_policy(self, update: Message, raw: Any) -> None:
-        assert isinstance(update, PolicyVersionUpdate)
-        pending = self._pending_update.version if self._pending_update is not None else 0
-        newest = max(self.policy_version, pending)
-        if update.version <= newest:
-            return  # old news
-        refusal = check_update(update, newest, self.config.max_version_jump, self.config.weights_root)
-        if refusal is not None:
-            await self.reject(
-                raw,
-                refusal.kind,
-                refusal.error,
-                field="version" if refusal.kind == "version_jump" else "weights_path",
-            )
-            return
-        self._pending_update = update
-        if self._weights_task is None or self._weights_task.done():
-            self._weights_task = self.spawn(self._apply_weights(), name="weights")
-
-    async def _apply_weights(self) -> None:
-        """Between requests: stop pulling, let held requests finish (bounded), reload, resume."""
-        while (update := self._pending_update) is not None:
-            self._pending_update = None
-            if update.version <= self.policy_version:
-                continue
-            self.puller.pause("weights")
-            try:
-                await self.puller.wait_idle()
-                deadline_s = self.clock.monotonic_s() + self.config.weights_drain_timeout_s
-                while self.runner.jobs and self.clock.monotonic_s() < deadline_s:
-                    await asyncio.sleep(0.02)  # a wall-time poll interval
-                async with self.reconfig_lock:
-                    path = resolve(update.weights_path, self.config.weights_root)
-                    await self.backend.reload_weights(update.version, path)
-                self.policy_version = update.version
-                self.log.info("weights_updated", version=update.version)
-            except BackendError as exc:  # the engine could not load them: it keeps serving the old weights
-                self.metrics.count_error("weights")
-                self.log.error("weights_update_failed", version=update.version, error=repr(exc))
-            finally:
-                self.puller.resume("weights")
 
     # -- stats ---------------------------------------------------------------------------------------------------
 

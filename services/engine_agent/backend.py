@@ -23,6 +23,13 @@ backend may merge steps when the consumer is slow); the last one has `finished=T
 stream ends (`StopAsyncIteration`) without a final chunk, or yields one with `finish_reason="abort"`; the agent
 ignores anything after it asked for the abort. A consumer that stops iterating early (closes the iterator) must
 free the request as `abort` would.
+
+Weights. `policy_version` is the version whose weights serve from now on; `reload_weights` (a checkpoint) and
+`receive_weights` (tensors through the engine's weight-transfer API) replace them between two engine steps: a running
+request is frozen meanwhile and goes on under the new weights, and every chunk names the version that sampled its
+tokens (`GenChunk.policy_version`; a backend splits a chunk rather than let it span two). `pause_generation(reason)`
+freezes every request between two steps until the last reason is lifted (`resume_generation`): a weight load and a
+trainer's pause may overlap.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 
 
 class BackendError(RuntimeError):
@@ -69,6 +76,11 @@ class GenChunk:
     finished: bool = False  # the last chunk of the stream
     finish_reason: str = ""  # on the final chunk: "length" (max_tokens or model length) | "stop" | "abort"
     prefill: PrefillInfo | None = None  # first chunk of `generate` only
+    # Per token, the request's `sampling.top_logprobs` most likely (token id, logprob), the most likely first;
+    # None when not asked for.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The weights version that sampled these tokens (None: the backend's now).
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +97,10 @@ class PrefillResult:
         False  # the first token ends the request (stop token, or one token left): no decode needed
     )
     finish_reason: str = ""  # when finished
+    # The first token's alternatives (as GenChunk's top_logprobs); None when not asked for.
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    # The weights version that sampled the first token (None: the backend's now).
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +141,11 @@ class Backend(Protocol):
     async def check_alive(self) -> None:
         """The liveness probe: returns while the engine can serve. Raises EngineDead once it cannot."""
 
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        """Why this engine can never sample a turn as `sampling` asks ("" if it can): the agent fails such a turn
+        with the reason instead of running it (e.g. logprobs of another kind than the engine returns)."""
+        ...
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         """Prefill locally and decode; the first chunk carries `prefill` accounting."""
         ...
@@ -155,8 +176,28 @@ class Backend(Protocol):
         by the model length). The agent uses it to decide which decodes finish within a drain timeout."""
         ...
 
+    # The weights version it serves now (set by the loads below; the agent sets the start version).
+    policy_version: int
+
     async def reload_weights(self, version: int, weights_path: str) -> None:
-        """Serve new weights from now on ("" = reload from the model path). Raises BackendError on failure."""
+        """Serve the weights at `weights_path` ("" = reload from the model path) as `version` from the next engine
+        step on; running requests go on under them. Raises BackendError on failure (the old weights stay)."""
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer group (NCCL: a rendezvous the trainer joins at the same time). Raises
+        BackendError where the engine cannot (no `weight_transfer_config`, a failed rendezvous)."""
+
+    async def receive_weights(self, version: int, transfer: dict[str, Any]) -> None:
+        """As `reload_weights`, with the weights sent as tensors through the engine's weight-transfer API
+        (`transfer["update_info"]`: the backend's update info). Raises BackendError where the engine cannot (it has
+        not joined the group)."""
+
+    async def pause_generation(self, reason: str) -> None:
+        """Freeze every request between two engine steps (and admit none) until `resume_generation(reason)` lifts
+        the last reason. Idempotent per reason."""
+
+    async def resume_generation(self, reason: str) -> None:
+        """Lift `reason`; the engine runs again once no reason is left. Unknown reasons are ignored."""
 
     async def set_role(self, role: str) -> None:
         """Reconfigure for a new role ("prefill" | "decode" | "mixed") once drained: the agent calls it between

@@ -58,6 +58,16 @@ class Job:
     # The request with its whole prompt (`contexts.py`), once resolved: what the backend runs. `request` stays the
     # lean request as it came, which is what a handoff, a requeue or a migration passes on.
     resolved: GenerateRequest | None = None
+    # The oldest policy version among the turn's tokens so far (resumed ones included); None: no token yet.
+    min_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.request.resume_token_ids:
+            self.min_version = self.request.resume_min_version
+
+    def sampled(self, version: int) -> None:
+        """Tokens sampled by `version` were streamed."""
+        self.min_version = version if self.min_version is None else min(self.min_version, version)
 
     @property
     def backend_request(self) -> GenerateRequest:

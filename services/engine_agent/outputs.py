@@ -39,8 +39,10 @@ def token_chunk(
     policy_version: int = 0,
     now_s: float = 0.0,
     now_mono: float = 0.0,
+    top_logprobs: list[list[tuple[int, float]]] | None = None,
 ) -> TokenChunk:
-    """Chunk `index` of the job's stream; the final one carries the request's totals and latencies."""
+    """Chunk `index` of the job's stream, its tokens sampled by `policy_version`; the final one carries the
+    request's totals and latencies."""
     req = job.request
     extra: dict[str, Any] = {}
     if final:
@@ -50,11 +52,11 @@ def token_chunk(
             "output_tokens": job.output_tokens,
             "ttft_s": _ttft_s(job, now_s, now_mono),
             "e2e_s": max(0.0, now_s - _origin_s(job)),
-            "policy_version": policy_version,
             "prefill_engine": job.prefill_engine,
         }
     # Logprobs only when asked for and complete (a handed-off first token may come without one).
     keep = req.sampling.logprobs and logprobs is not None and len(logprobs) == len(ids)
+    keep_top = req.sampling.top_logprobs > 0 and top_logprobs is not None and len(top_logprobs) == len(ids)
     return TokenChunk(
         request_id=req.request_id,
         index=index,
@@ -66,6 +68,8 @@ def token_chunk(
         attempt=req.attempt,
         stream=job.stream_tag,
         stream_base=req.next_chunk_index,
+        top_logprobs=[list(t) for t in top_logprobs] if keep_top and top_logprobs is not None else None,
+        policy_version=policy_version,  # every chunk: the version that sampled its tokens
         **extra,
     )
 
@@ -105,18 +109,23 @@ def finished_fields(
     }
 
 
-def decode_handoff(job: Job, res: PrefillResult, engine_id: str, now_s: float) -> DecodeHandoff:
-    """The handoff a prefill engine enqueues for a decode engine."""
+def decode_handoff(
+    job: Job, res: PrefillResult, engine_id: str, now_s: float, policy_version: int = 0
+) -> DecodeHandoff:
+    """The handoff a prefill engine enqueues for a decode engine; `policy_version`: the weights that computed its KV
+    and sampled its first token."""
     return DecodeHandoff(
         request=job.request,
         prefill_engine=engine_id,
         first_token_id=res.first_token_id,
         first_logprob=res.first_logprob,
+        first_top_logprobs=res.first_top_logprobs,
         kv_transfer_params=res.kv_transfer_params,
         kv_tokens=job.context_tokens,
         prefill_new_tokens=res.new_tokens,
         prefill_cached_tokens=res.cached_tokens,
         handed_off_s=now_s,
+        policy_version=policy_version,
     )
 
 
@@ -129,6 +138,7 @@ def migrated_request(job: Job) -> GenerateRequest:
         resume_token_ids=[*req.resume_token_ids, *job.streamed_ids],
         next_chunk_index=job.next_index,
         affinity_engine="",
+        resume_min_version=job.min_version if job.min_version is not None else 0,
     )
 
 

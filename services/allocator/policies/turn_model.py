@@ -18,7 +18,12 @@ Stations a turn visits (Schweitzer's approximate mean value analysis, solved as 
   uncached = new + output tokens; a mixed engine caches prompt + answer, so uncached = new tokens;
   on a prefill engine a prefix is evicted (LRU) from the trajectories that wait longest — the turns the affinity
   rule sends away already (below): at 512 trajectories on qwen3-235b at 4:4, 1,640 whole-context recomputes
-  against 1,706 turns sent away — so the affinity term prices it, and no capacity term is added here;
+  against 1,706 turns sent away — so the affinity term prices it, and no capacity term is added here.
+  Placement sends a turn away when more prompts wait at its engine than its recompute is worth
+  (`services.runtime.affinity`: context / new tokens, at least 8), so each engine's queue of its own trajectories is
+  an M/M/1/C queue that refuses an arrival finding C = patience + 1 prompts: the share sent away is its blocking
+  probability, (1 − ρ) ρ^C / (1 − ρ^(C+1)), and one of them recomputes its whole context where another engine
+  takes it (`_elsewhere`);
 * handoff: a delay of the KV transfer of the context (split only);
 * decode: D engines, continuous batching. A sequence arriving on an engine with q others decodes at the step
   time of a batch of q + 1 (arrival theorem), capped by the batch limit (max_batch and KV room), beyond which it
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from services.allocator.capacity import CapacityModel
 from services.allocator.policies.common import Split
 from services.runtime import perf_model as pm
+from services.runtime.affinity import MAX_WAITING, patience, worth_prompts
 
 _ITERATIONS = 60  # fixed-point iterations; the damped update converges to < 0.1 % in ~30 on every profile
 _DAMPING = 0.5
@@ -82,7 +88,7 @@ def turn_time(
     shape: TurnShape,
     trajectories: float,
     cap: CapacityModel,
-    affinity_s: float = 2.0,
+    max_waiting: float = MAX_WAITING,
     queued_prefills: float = 0.0,
     queued_tokens: float = 0.0,
 ) -> TurnTime:
@@ -90,20 +96,20 @@ def turn_time(
 
     A split with a role that has work and no engine gets R = inf. Hybrids (mixed beside dedicated engines) are
     modelled as colocation over the mixed engines with the dedicated ones idle — the prorsa policy does not offer
-    them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `affinity_s`: queued prefill
-    seconds above which placement sends a turn away from the engine holding its prefix (the router's rule).
-    `queued_prefills`, `queued_tokens`: prompts and their tokens waiting for prefill in the cluster now; the fixed
-    point starts from them when they alone are past the affinity threshold (`_congested_miss_share`)."""
+    them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `max_waiting`: the least
+    patience of placement's affinity rule, in prompts (`services.runtime.affinity`).
+    `queued_prefills`, `queued_tokens`: prompts and their tokens waiting for prefill in the cluster now. Colocation
+    takes their share of whole-context recomputes as its state when they alone are past the rule's patience
+    (`_congested_miss_share`); a split's solution does not depend on them (`sent_away`: placement sheds what an
+    engine cannot take, so its loop has one solution) — a caller prices a split's queue as a stock to work off."""
     n = max(float(trajectories), 0.0)
     if n <= 0:
         return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
     if split.mixed:
-        return _colocated(split.mixed, shape, n, cap, affinity_s, queued_prefills, queued_tokens)
+        return _colocated(split.mixed, shape, n, cap, max_waiting, queued_prefills, queued_tokens)
     if split.prefill <= 0 or split.decode <= 0:
         return TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, shape.tool_s)
-    return _disaggregated(
-        split.prefill, split.decode, shape, n, cap, affinity_s, queued_prefills, queued_tokens
-    )
+    return _disaggregated(split.prefill, split.decode, shape, n, cap, max_waiting)
 
 
 def _decode_context(shape: TurnShape) -> float:
@@ -140,13 +146,13 @@ def _congested_miss_share(
     engines: int,
     hit_tokens: float,
     whole_tokens: float,
-    threshold_tokens: float,
+    patience_prompts: float,
 ) -> float | None:
-    """The congested branch's start: when the prefill queue the cluster holds now is, on its own, past the affinity
-    threshold on each of `engines`, the share of whole-context recomputes in it — its mean job placed between a
-    hit's `hit_tokens` and a whole context's `whole_tokens` — for the engines there are to miss on
-    (`_elsewhere`). None while the queue is under the threshold or there is no other engine."""
-    if queued_prefills <= 0 or queued_tokens / engines <= threshold_tokens or engines < 2:
+    """The congested branch's start: when the prefill queue the cluster holds now is, on its own, past placement's
+    patience on each of `engines` (more prompts each than a turn waits behind), the share of whole-context
+    recomputes in it — its mean job placed between a hit's `hit_tokens` and a whole context's `whole_tokens` — for
+    the engines there are to miss on (`_elsewhere`). None while the queue is shorter or there is no other engine."""
+    if queued_prefills <= 0 or queued_prefills / engines <= patience_prompts or engines < 2:
         return None
     mean_job = queued_tokens / queued_prefills
     return _elsewhere(engines) * min(
@@ -169,6 +175,26 @@ def cache_hit_share(capacity_tokens: float, working_set_tokens: float) -> float:
     return max(0.0, capacity_tokens) / working_set_tokens
 
 
+def sent_away(rho: float, patience_prompts: float) -> float:
+    """The share of turns placement sends away from their engine: the blocking probability of an M/M/1/C queue,
+    C = patience + 1 (a turn stays while at most `patience_prompts` wait there), at utilisation `rho`:
+    (1 − ρ) ρ^C / (1 − ρ^(C+1)); 1 / (C + 1) at ρ = 1 and 1 − 1/ρ as ρ grows. Bounded where the M/M/1 tail it
+    replaces was not: the engine's queue of its own trajectories cannot grow past C — what would is shed to the
+    shared queue, which engines with room pull — so near saturation about one turn in C is sent away, not all of
+    them. (The unbounded tail let a turn's whole-context recompute feed a queue without end: it priced 5:3 on
+    deepseek-v3.2 at 433 live trajectories at 82 s a turn, 77 % of turns recomputed, where the run measured 4 %
+    sent away and the best split of the cell.)"""
+    if rho <= 0:
+        return 0.0
+    c = math.floor(patience_prompts) + 1
+    if abs(rho - 1.0) < 1e-9:
+        return 1.0 / (c + 1)
+    if rho < 1.0:
+        return (1.0 - rho) * rho**c / (1.0 - rho ** (c + 1))
+    r = 1.0 / rho  # the same ratio, divided through by ρ^(C+1): no overflow however large ρ is
+    return (1.0 - r) / (1.0 - r ** (c + 1))
+
+
 def _elsewhere(engines: int) -> float:
     """The share of turns sent away from their engine that land on another one. Placement pulls (prorsa.sim.router,
     the client's directory): a turn its engine cannot take now goes to the shared queue, and whichever of the
@@ -183,16 +209,13 @@ def _disaggregated(
     shape: TurnShape,
     n: float,
     cap: CapacityModel,
-    affinity_s: float,
-    queued_prefills: float = 0.0,
-    queued_tokens: float = 0.0,
+    max_waiting: float,
 ) -> TurnTime:
-    p = cap.profile
     hit_uncached = max(1.0, shape.new_tokens + shape.output_tokens)
     ctx_in = max(hit_uncached, shape.context_tokens)
     rate_hit = cap.prefill_tokens_per_s(hit_uncached, ctx_in - hit_uncached)
     rate_miss = cap.prefill_tokens_per_s(ctx_in, 0.0)
-    handoff = pm.kv_transfer_time_s(p, round(shape.context_tokens))
+    handoff = pm.kv_transfer_time_s(cap.profile, round(shape.context_tokens))
     ctx = _decode_context(shape)
     limit = cap.decode_batch_limit(ctx)
     step = _DecodeStep(cap, ctx)
@@ -201,32 +224,19 @@ def _disaggregated(
     q_d = 0.0
     miss = 0.0
     r = r_p = r_d = 0.0
-    # Placement's rule (prorsa.sim.router): a turn leaves its engine when more than `affinity_s` of prefill is
-    # queued there, priced in tokens at the profile's nominal rate; it then recomputes its whole context if another
-    # engine takes it (`_elsewhere`).
-    threshold_tokens = affinity_s * p.prefill_tokens_per_s
+    # Placement's rule (services.runtime.affinity): a turn leaves its engine when more prompts wait there than its
+    # recompute is worth (`sent_away`); it then recomputes its whole context if another engine takes it.
+    patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
     elsewhere = _elsewhere(n_prefill)
     # Misses enter only once the queues have settled without them: the first iterations overshoot the turn
-    # rate (no queue yet), and a miss rate taken from that overshoot would lock the solution on the congested
-    # branch even where the uncongested one exists — the one a cluster that starts empty is on.
+    # rate (no queue yet), and a miss rate taken from that overshoot would start the solution far from where it
+    # lands (the loop has one solution: `sent_away` is bounded, so misses cannot feed the queues without end).
     last = 0.0
     settled = False  # phase 1 (no misses) has converged
-    # The loop is bistable where misses feed queues and queues feed misses: past the affinity threshold a turn
-    # recomputes its whole context, which lengthens the queue that sent it away. A cluster that starts empty is
-    # on the uncongested branch (above); one whose prefill queue is already past the threshold is on the congested
-    # one, and stays there while it exists. So the fixed point starts from the queue the cluster holds now, with
-    # misses from the first iteration, when that queue alone is past the threshold.
-    q_p = min(max(queued_prefills, 0.0), n) / n_prefill
-    congested = _congested_miss_share(
-        queued_prefills, queued_tokens, n_prefill, hit_uncached, ctx_in, threshold_tokens
-    )
-    if congested is not None:
-        settled = True
-        miss = congested
+    q_p = 0.0
     for i in range(2 * _ITERATIONS):
         if not settled:
             miss = 0.0
-        job_tokens = (1.0 - miss) * hit_uncached + miss * ctx_in
         s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
         r_p = s_prefill * (1.0 + q_p * shrink)
         seen = 1.0 + q_d * shrink
@@ -234,10 +244,10 @@ def _disaggregated(
         r_d = out * step(running) * (seen / running)
         r = shape.tool_s + r_p + handoff + r_d
         x = n / r
-        rho = min(x / n_prefill * s_prefill, 0.999)
-        # M/M/1 in tokens: P(queued work > a) = rho · exp(-(1 - rho) · a / mean job)
-        away = rho * math.exp(-(1.0 - rho) * threshold_tokens / job_tokens) if affinity_s > 0 else 0.0
-        miss_new = elsewhere * away  # sent away, and taken by an engine without its prefix
+        # Each engine's utilisation, the recomputes it takes for other engines' trajectories included; of the
+        # turns sent away, those another engine takes recompute their whole context.
+        rho = x / n_prefill * s_prefill
+        miss_new = elsewhere * sent_away(rho, patience_prompts)
         miss += _DAMPING * (miss_new - miss)
         q_p += _DAMPING * (x / n_prefill * r_p - q_p)
         q_d += _DAMPING * (x / n_decode * r_d - q_d)
@@ -256,18 +266,19 @@ def _colocated(
     shape: TurnShape,
     n: float,
     cap: CapacityModel,
-    affinity_s: float = 2.0,
+    max_waiting: float = MAX_WAITING,
     queued_prefills: float = 0.0,
     queued_tokens: float = 0.0,
 ) -> TurnTime:
     p = cap.profile
     ranks = p.dp_ranks
     hit_uncached = max(1.0, shape.new_tokens)
-    # The same congested branch as a split's (_disaggregated): a queue past the affinity threshold sends turns
-    # away from their cache, and the share of whole-context recomputes is the one the queue holds now.
+    # The same congested start as a split's (_disaggregated): a queue past placement's patience sends turns away
+    # from their cache, and the share of whole-context recomputes is the one the queue holds now.
     ctx_in = max(hit_uncached, shape.context_tokens)
+    patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
     miss = _congested_miss_share(
-        queued_prefills, queued_tokens, n_mixed, hit_uncached, ctx_in, affinity_s * p.prefill_tokens_per_s
+        queued_prefills, queued_tokens, n_mixed, hit_uncached, ctx_in, patience_prompts
     )
     away = 0.0 if miss is None else miss
     # A mixed engine caches each turn's prompt + answer in the KV its running decodes leave free

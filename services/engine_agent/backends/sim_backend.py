@@ -14,11 +14,24 @@ never move a modelled time; a late event loop only delays when the tokens reach 
 sleeps until the core's next event; a stream reads the tokens out by now (the steps of a decode jump completed so
 far, `EngineCore.steps_at`) whenever its consumer asks.
 
+Weights and pauses. A pause (a trainer's, or a weight load's) freezes the engine's modelled time: nothing advances
+until the last reason is lifted, then the engine goes on where it stopped. A weight load pauses, waits the
+profile's update time (`weight_update_s`), switches `policy_version` and resumes: every token out before the switch
+carries the old version, every later one the new (each sequence keeps its version marks; a stream splits a chunk
+at a mark).
+
 KV handed to a decode engine is named by `kv_transfer_params = {"sim_engine": <engine>, "sim_expires_s": <Unix
 time, scaled seconds (Clock.now_s)>}`: a prefill engine keeps a handed-off prompt's KV for `kv_ttl_s` modelled
 seconds (vLLM's NIXL connector frees unclaimed blocks after a timeout, `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s by
 default); a decode that comes later finds it gone (`KvUnavailable`). The transfer itself is the core's
 (`accept_handoff`: the modelled transfer time, then the request joins the batch at a step boundary).
+
+Sampling. There are no logits: ids and logprobs are a pure function of request id and position (`SimTokens`), so
+temperature, top-k/top-p, seed and the presence, frequency and repetition penalties are accepted and change nothing
+(a sampler without logits has nothing for them to act on), and raw and processed logprobs are the same numbers.
+What can be honoured is: `min_tokens` lengthens an output the workload would end sooner (up to max_tokens and the
+model length), and `top_logprobs` returns k alternatives per token (`SimTokens.top`: deterministic, holding the
+sampled token where it ranks within the k).
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from proto import ROLES, DecodeHandoff, GenerateRequest
+from proto import ROLES, DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -46,6 +59,7 @@ from services.engine_agent.solo_engine import SoloEngine
 from services.runtime import perf_model as pm
 from services.runtime.clock import Clock, scale_from_env
 from services.runtime.logging import get_logger
+from services.runtime.model_profiles import weight_update_time_s
 from services.runtime.perf_model import ModelProfile
 
 SeqMode = Literal["generate", "prefill", "decode"]
@@ -65,12 +79,13 @@ def context_tokens(request: GenerateRequest) -> int:
 
 
 def output_end(request: GenerateRequest, max_model_len: int) -> tuple[int, str]:
-    """(whole-turn output length, finish reason): the workload's `sim_output_tokens` (else max_tokens), capped by
-    max_tokens and the model length. "length" when a cap ends it, else "stop" (as if the model sampled EOS)."""
+    """(whole-turn output length, finish reason): the workload's `sim_output_tokens` (else max_tokens), at least
+    `min_tokens` (no stop before it), capped by max_tokens and the model length. "length" when a cap ends it, else
+    "stop" (as if the model sampled EOS)."""
     max_tokens = request.sampling.max_tokens
     cap = min(max_tokens, max(0, max_model_len - request.prompt_len))
     want = request.sim_output_tokens if request.sim_output_tokens > 0 else max_tokens
-    end = min(want, cap)
+    end = min(max(want, request.sampling.min_tokens), cap)
     return end, "length" if end == cap else "stop"
 
 
@@ -101,12 +116,19 @@ class LiveSeq(CoreSeq):
         "end_reason",
         "tokens",
         "want_logprobs",
+        "top_k",
         "next_pos",
     )
-    __slots__ += ("prefilled", "prefill_info", "done", "aborted")
+    __slots__ += ("prefilled", "prefill_info", "done", "aborted", "version_marks")
 
     def __init__(
-        self, rid: int, request: GenerateRequest, mode: SeqMode, max_model_len: int, vocab_size: int
+        self,
+        rid: int,
+        request: GenerateRequest,
+        mode: SeqMode,
+        max_model_len: int,
+        vocab_size: int,
+        version: int = 0,
     ) -> None:
         first_pos = len(request.resume_token_ids)
         end, reason = output_end(request, max_model_len)
@@ -126,11 +148,22 @@ class LiveSeq(CoreSeq):
         self.end_reason = reason
         self.tokens = SimTokens(request.request_id, vocab_size)
         self.want_logprobs = request.sampling.logprobs
+        self.top_k = request.sampling.top_logprobs  # alternatives per token (0: none)
         self.next_pos = first_pos + 1 if mode == "decode" else first_pos  # the next position to stream
         self.prefilled = mode == "decode"  # its first token is out
         self.prefill_info: PrefillInfo | None = None  # for the stream's first chunk (generate)
         self.done = False  # its last token is out
         self.aborted = False
+        # (output position, weights version): the positions from each mark on were sampled by that version.
+        self.version_marks: list[tuple[int, int]] = [(first_pos, version)]
+
+    def version_at(self, pos: int) -> int:
+        """The weights version that samples output position `pos` (the last mark at or before it)."""
+        version = self.version_marks[0][1]
+        for at, v in self.version_marks:
+            if at <= pos:
+                version = v
+        return version
 
 
 class SimBackend:
@@ -177,9 +210,12 @@ class SimBackend:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.kv_ttl_s = kv_ttl_s
-        # The profile has no weight-update cost; an in-place reload is modelled like a role switch (flush + warm-up
-        # with the new weights already on the hosts) unless given.
-        self.weight_update_s = pm.role_switch_time_s(profile) if weight_update_s is None else weight_update_s
+        # Modelled seconds a weight load freezes the engine (the profile's published figure, `WEIGHT_UPDATE_S`).
+        self.weight_update_s = weight_update_time_s(profile) if weight_update_s is None else weight_update_s
+        self.policy_version = 0  # the weights version serving now
+        self._pause_reasons: set[str] = set()
+        self._paused_at: float | None = None  # scaled monotonic seconds the engine froze at (None: running)
+        self._paused_total = 0.0  # scaled seconds spent frozen, taken out of the modelled time
         self.core = SoloEngine(profile, role)
         self.core.now = self._modelled_now()
         self._next_rid = 0
@@ -204,6 +240,10 @@ class SimBackend:
         if task is not None and task.done():
             error = None if task.cancelled() else task.exception()
             raise EngineDead(f"simulated engine {self.engine_id}: engine loop ended ({error!r})")
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        # Everything a SamplingParams can hold is taken (see "Sampling" in the module doc): nothing refused.
+        return ""
 
     async def close(self) -> None:
         if self._task is not None:
@@ -295,8 +335,44 @@ class SimBackend:
         return output_end(request, self.max_model_len)[0]
 
     async def reload_weights(self, version: int, weights_path: str) -> None:
-        await self._sleep_modelled(self.weight_update_s)
-        self.core.cache.clear()
+        await self._swap_weights(version)
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Nothing to join: a simulated engine receives tensors as it reloads checkpoints (priced the same)."""
+
+    async def receive_weights(self, version: int, transfer: dict) -> None:
+        await self._swap_weights(version)  # priced as a reload: the profile has one figure for both
+
+    async def _swap_weights(self, version: int) -> None:
+        """Between two steps: freeze, pay the update time, mark every sequence, switch, go on."""
+        await self.pause_generation("weights")
+        try:
+            await self._sleep_modelled(self.weight_update_s)
+            for seq in self._seqs.values():
+                seq.version_marks.append((self._out_pos(seq), version))
+            self.policy_version = version
+            self.core.cache.clear()  # no later turn reuses KV computed with the old weights
+        finally:
+            await self.resume_generation("weights")
+
+    async def pause_generation(self, reason: str) -> None:
+        if not self._pause_reasons:
+            self._sync()  # everything due by now happens before the freeze
+            self._paused_at = self.clock.monotonic_s()
+        self._pause_reasons.add(reason)
+
+    async def resume_generation(self, reason: str) -> None:
+        if reason not in self._pause_reasons:
+            return
+        self._pause_reasons.discard(reason)
+        if not self._pause_reasons and self._paused_at is not None:
+            self._paused_total += self.clock.monotonic_s() - self._paused_at
+            self._paused_at = None
+            self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._pause_reasons)
 
     async def set_role(self, role: str) -> None:
         """In place, the profile's `role_switch_s` (what the engine holds runs on meanwhile, then the core serves
@@ -315,8 +391,10 @@ class SimBackend:
     # -- driving the core ----------------------------------------------------------------------------------------
 
     def _modelled_now(self) -> float:
-        """The engine's modelled time now: the scaled clock times speedup / time scale."""
-        return self.clock.monotonic_s() * self.speedup / self.clock.time_scale
+        """The engine's modelled time now: the scaled clock, less the time spent paused, times speedup / time
+        scale (frozen while paused)."""
+        now = self.clock.monotonic_s() if self._paused_at is None else self._paused_at
+        return (now - self._paused_total) * self.speedup / self.clock.time_scale
 
     def _sync(self) -> None:
         """Run the core up to now, and act on what it did."""
@@ -374,6 +452,7 @@ class SimBackend:
             PrefillResult(
                 first_token_id=token,
                 first_logprob=logprob if seq.want_logprobs else None,
+                first_top_logprobs=seq.tokens.top(seq.first_pos, seq.top_k) if seq.top_k else None,
                 kv_transfer_params={
                     "sim_engine": self.engine_id,
                     "sim_expires_s": self.clock.now_s() + self._scaled_s(self.kv_ttl_s),
@@ -383,6 +462,7 @@ class SimBackend:
                 prefill_s=info.prefill_s,
                 finished=finished,
                 finish_reason=seq.end_reason if finished else "",
+                policy_version=seq.version_at(seq.first_pos),
             )
         )
 
@@ -398,6 +478,10 @@ class SimBackend:
     async def _engine_loop(self) -> None:
         """Wake the core at its next event (step end, KV arrival), or when new work may have changed it."""
         while True:
+            if self._pause_reasons:  # frozen: nothing is due until resumed (resume_generation wakes us)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             self._sync()
             self._wake.clear()
             t = self._planned_s = self.core.next_event_s()
@@ -441,16 +525,24 @@ class SimBackend:
                 out = self._out_pos(seq)
                 info, seq.prefill_info = seq.prefill_info, None
                 if out > seq.next_pos or info is not None or seq.done:
-                    positions = range(seq.next_pos, out)
-                    seq.next_pos = out
-                    pairs = [seq.tokens.at(i) for i in positions]
-                    ids = [t for t, _ in pairs]
-                    lps = [lp for _, lp in pairs] if seq.want_logprobs else None
-                    finished = (
-                        seq.done
-                    )  # read before yielding: the sequence may finish while the consumer holds it
-                    reason = seq.end_reason if finished else ""
-                    yield GenChunk(ids, lps, finished=finished, finish_reason=reason, prefill=info)
+                    start, seq.next_pos = seq.next_pos, out
+                    # Read before yielding: the sequence may finish while the consumer holds a chunk.
+                    finished = seq.done
+                    runs = _version_runs(seq, start, out)
+                    for i, (lo, hi, version) in enumerate(runs):
+                        pairs = [seq.tokens.at(p) for p in range(lo, hi)]
+                        last = i == len(runs) - 1
+                        yield GenChunk(
+                            [t for t, _ in pairs],
+                            [lp for _, lp in pairs] if seq.want_logprobs else None,
+                            finished=finished and last,
+                            finish_reason=seq.end_reason if finished and last else "",
+                            prefill=info if i == 0 else None,
+                            top_logprobs=[seq.tokens.top(p, seq.top_k) for p in range(lo, hi)]
+                            if seq.top_k
+                            else None,
+                            policy_version=version,
+                        )
                     if finished:
                         return
                     continue
@@ -471,7 +563,9 @@ class SimBackend:
         if request.request_id in self._seqs:
             raise BackendError(f"request {request.request_id} is already running on this engine")
         self._next_rid += 1
-        return LiveSeq(self._next_rid, request, mode, self.max_model_len, self.vocab_size)
+        return LiveSeq(
+            self._next_rid, request, mode, self.max_model_len, self.vocab_size, self.policy_version
+        )
 
     def _admit(self, seq: LiveSeq) -> None:
         self._seqs[seq.request_id] = seq
@@ -498,6 +592,19 @@ class SimBackend:
     def _check_running(self) -> None:
         if self._task is None or self._task.done():
             raise BackendError("the simulated engine is not running (start() not called, or closed)")
+
+
+def _version_runs(seq: LiveSeq, start: int, end: int) -> list[tuple[int, int, int]]:
+    """Output positions [start, end) cut where the weights version changes: (lo, hi, version) runs, at least one
+    (an empty one for a chunk without tokens)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos in range(start, end):
+        version = seq.version_at(pos)
+        if runs and runs[-1][2] == version:
+            runs[-1] = (runs[-1][0], pos + 1, version)
+        else:
+            runs.append((pos, pos + 1, version))
+    return runs or [(start, start, seq.version_at(start))]
 
 
 async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:

@@ -2,12 +2,14 @@
 
 Token `pos` of request `request_id` depends on nothing else: not the attempt, the engine, the role or the batch.
 So a redelivered, retried or migrated request produces the same ids on any engine, and a stream that continues on
-another engine after a migration stays consistent with what the client already holds.
+another engine after a migration stays consistent with what the client already holds. The same holds for the top-k
+alternatives of a position (`SimTokens.top`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
@@ -43,3 +45,24 @@ class SimTokens:
             self._lps = (-(rng.exponential(0.5, size=_BLOCK) + 1e-4)).tolist()
             self._block = block
         return self._ids[i], self._lps[i]
+
+    def top(self, pos: int, k: int) -> list[tuple[int, float]]:
+        """The k most likely (token id, logprob) at output position `pos`, the most likely first.
+
+        There are no logits here, so the distribution is made up, but coherently: it holds the sampled token
+        (`at(pos)`) with its logprob, and other tokens (distinct, drawn from the request's seed and `pos`) share the
+        rest of the probability mass in halves (1/2, 1/4, ... of it), so the k listed never sum past 1 and the
+        sampled token is listed exactly when it ranks within the k. Same request and position: same answer."""
+        if k <= 0:
+            return []
+        token, logprob = self.at(pos)
+        rest = max(1.0 - math.exp(logprob), 1e-12)
+        rng = np.random.default_rng([self._seed, pos, 1])  # a stream apart from `at`'s blocks ([seed, block])
+        others: list[int] = []
+        while len(others) < min(k, self._vocab - 1):
+            t = int(rng.integers(0, self._vocab))
+            if t != token and t not in others:
+                others.append(t)
+        pairs = [(token, logprob)] + [(t, math.log(rest * 0.5 ** (i + 1))) for i, t in enumerate(others)]
+        pairs.sort(key=lambda p: -p[1])
+        return pairs[:k]

@@ -21,6 +21,20 @@ engine has claimed yet included, as vLLM keeps them allocated) and its preemptio
 `prefix_cache_tokens` is counted here: the contexts of the trajectories this engine served last (the newest
 first, each trajectory once), as many tokens as its KV cache holds — the LRU order in which vLLM evicts them.
 
+Sampling. A turn's `SamplingParams` map onto vLLM's: temperature, top-p/top-k, seed, stop token ids, ignore_eos,
+the presence, frequency and repetition penalties, `min_tokens` and `top_logprobs` (vLLM's `logprobs=k`). Counts
+that vLLM keeps per request start at this engine's first output token: `min_tokens` is reduced by the tokens a
+migrated request already streamed, and its presence/frequency penalties do not count those (vLLM sees them as
+prompt; the repetition penalty, which counts the prompt too, does). A decode after a handoff samples the first
+token again, so its counts are whole. Which logprobs come back is vLLM's engine-wide `logprobs_mode` (an engine
+argument; raw_logprobs by default): a turn asking for the other kind is refused by `sampling_problem`, as is one
+asking for more alternatives than `max_logprobs`.
+
+Weights. A load pauses the engine (vLLM's "keep" mode: requests freeze between two steps), replaces the weights
+from a checkpoint or through vLLM's weight-transfer API, labels the steps after it with the new policy version and
+resumes (`vllm_weights`); each stream's chunks are cut where vLLM's labels change, so none spans two versions. A
+trainer's pause holds the same vLLM pause; the engine runs again once neither holds it.
+
 Roles. Every engine runs the NIXL connector as `kv_both`, so prefill, decode and mixed work need no restart:
 `set_role` only restarts the engine when `role_overrides` gives the new role different engine settings (for
 example a larger batch for decode), and that restart costs a full engine start (tens of seconds on CPU).
@@ -38,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from proto import DecodeHandoff, GenerateRequest
+from proto import DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -97,7 +111,8 @@ class VllmBackend:
         self.engine = VllmEngine(config)
         self.role = role
         self.role_overrides = dict(role_overrides or {})
-        self.weight_version = 0
+        self.policy_version = 0  # the weights version serving now (vLLM labels its steps with it)
+        self._pause_reasons: set[str] = set()
         self._contexts: OrderedDict[str, int] = OrderedDict()  # traj_id -> context tokens, newest last
 
     @property
@@ -109,6 +124,7 @@ class VllmBackend:
 
     async def start(self) -> None:
         await self.engine.start()
+        await self.engine.label_weights(self.policy_version)
 
     async def close(self) -> None:
         await self.engine.stop()
@@ -139,6 +155,7 @@ class VllmBackend:
         return end - len(request.resume_token_ids)
 
     def _sampling(self, request: GenerateRequest) -> dict[str, Any]:
+        """The engine's sampling keywords for one call, whose output starts at position len(resume)."""
         s = request.sampling
         return {
             "temperature": s.temperature,
@@ -147,7 +164,25 @@ class VllmBackend:
             "logprobs": s.logprobs,
             "stop_token_ids": list(s.stop_token_ids),
             "ignore_eos": s.ignore_eos,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "min_tokens": max(0, s.min_tokens - len(request.resume_token_ids)),
+            "top_logprobs": s.top_logprobs,
         }
+
+    def sampling_problem(self, sampling: SamplingParams) -> str:
+        """See "Sampling" in the module doc."""
+        mode = self.engine.logprobs_mode
+        if sampling.logprobs_mode and sampling.logprobs_mode != mode:
+            return (
+                f"logprobs_mode {sampling.logprobs_mode!r} asked for, but engine {self.engine.config.engine_id} "
+                f"returns {mode!r} (vLLM's engine argument logprobs_mode)"
+            )
+        cap = self.engine.max_logprobs
+        if 0 <= cap < sampling.top_logprobs:
+            return f"top_logprobs {sampling.top_logprobs} exceeds the engine's max_logprobs {cap}"
+        return ""
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenChunk]:
         context = _context(request)
@@ -175,13 +210,8 @@ class VllmBackend:
                     cached = chunk.num_cached_tokens
                     prefill = PrefillInfo(len(context) - cached, cached, chunk.ttft_s or chunk.elapsed_s)
                     first = False
-                yield GenChunk(
-                    chunk.token_ids,
-                    chunk.logprobs,
-                    finished=chunk.finished,
-                    finish_reason=_finish_reason(chunk),
-                    prefill=prefill,
-                )
+                for i, part in enumerate(self._by_version(chunk)):
+                    yield dataclasses.replace(part, prefill=prefill if i == 0 else None)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         context = _context(request)
@@ -203,12 +233,14 @@ class VllmBackend:
         return PrefillResult(
             first_token_id=h.first_token_id,
             first_logprob=h.first_logprob,
+            first_top_logprobs=h.first_top_logprobs,
             kv_transfer_params=h.kv_transfer_params,
             new_tokens=h.num_prompt_tokens - h.num_cached_tokens,
             cached_tokens=h.num_cached_tokens,
             prefill_s=h.prefill_s,
             finished=finished,
             finish_reason="stop" if finished else "",
+            policy_version=h.policy_version,
         )
 
     async def _prefill_only(self, request: GenerateRequest, context: list[int]) -> PrefillResult:
@@ -219,17 +251,21 @@ class VllmBackend:
         reason = _finish_reason(last)
         tokens = [t for c in chunks for t in c.token_ids]
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+        tops = [t for c in chunks for t in (c.top_logprobs or [])]
+        versions = [v for c in chunks for v in (c.token_versions or [])]
         if reason == "abort" or not tokens:
             raise RequestAborted(f"prefill {request.request_id} aborted")
         return PrefillResult(
             first_token_id=tokens[0],
             first_logprob=logprobs[0] if logprobs else None,
+            first_top_logprobs=tops[0] if tops else None,
             kv_transfer_params=None,
             new_tokens=len(context) - last.num_cached_tokens,
             cached_tokens=last.num_cached_tokens,
             prefill_s=last.ttft_s or last.elapsed_s,
             finished=True,
             finish_reason=reason,
+            policy_version=versions[0] if versions else None,
         )
 
     async def decode(self, handoff: DecodeHandoff) -> AsyncIterator[GenChunk]:
@@ -275,12 +311,14 @@ class VllmBackend:
                 async for chunk in self._decode_locally(request, handoff.first_token_id):
                     yield chunk
                 return
-            yield self._without_first_token(first)
+            for part in self._by_version(first, skip=1):
+                yield part
             async for chunk in stream:
                 produced += len(chunk.token_ids)
                 if chunk.finished:
                     self._served(request, len(context) + 1 + produced)
-                yield GenChunk(chunk.token_ids, chunk.logprobs, chunk.finished, _finish_reason(chunk))
+                for part in self._by_version(chunk):
+                    yield part
 
     def _is_own_handoff(self, handoff: DecodeHandoff) -> bool:
         params = handoff.kv_transfer_params or {}
@@ -297,10 +335,35 @@ class VllmBackend:
                 f"handoff {handoff.request.request_id} is older than {_LEASE_SAFETY:.0%} of the {lease_s} s KV lease"
             )
 
-    @staticmethod
-    def _without_first_token(chunk: EngineChunk) -> GenChunk:
-        logprobs = chunk.logprobs[1:] if chunk.logprobs is not None else None
-        return GenChunk(chunk.token_ids[1:], logprobs, chunk.finished, _finish_reason(chunk))
+    def _by_version(self, chunk: EngineChunk, skip: int = 0) -> list[GenChunk]:
+        """`chunk` (less its first `skip` tokens) as GenChunks, cut where the weights version changes; only the
+        last may be final. Tokens vLLM did not label are stamped with the version serving now."""
+        ids = chunk.token_ids[skip:]
+        lps = chunk.logprobs[skip:] if chunk.logprobs is not None else None
+        tops = chunk.top_logprobs[skip:] if chunk.top_logprobs is not None else None
+        versions = (chunk.token_versions or [])[skip:]
+        if len(versions) != len(ids):
+            versions = [self.policy_version] * len(ids)
+        runs: list[tuple[int, int, int]] = []  # (start, end, version)
+        for i, v in enumerate(versions):
+            if runs and runs[-1][2] == v:
+                runs[-1] = (runs[-1][0], i + 1, v)
+            else:
+                runs.append((i, i + 1, v))
+        if not runs:
+            runs = [(0, 0, self.policy_version)]
+        reason = _finish_reason(chunk)
+        return [
+            GenChunk(
+                ids[a:b],
+                lps[a:b] if lps is not None else None,
+                finished=chunk.finished and k == len(runs) - 1,
+                finish_reason=reason if k == len(runs) - 1 else "",
+                top_logprobs=tops[a:b] if tops is not None else None,
+                policy_version=v,
+            )
+            for k, (a, b, v) in enumerate(runs)
+        ]
 
     async def _decode_locally(self, request: GenerateRequest, first_token_id: int) -> AsyncIterator[GenChunk]:
         resumed = msgspec.structs.replace(
@@ -347,8 +410,37 @@ class VllmBackend:
         return min(request.sampling.max_tokens, max(0, self.max_model_len - request.prompt_len))
 
     async def reload_weights(self, version: int, weights_path: str) -> None:
-        await self.engine.reload_weights(weights_path or None)
-        self.weight_version = version
+        await self.pause_generation("weights")
+        try:
+            await self.engine.load_weights(weights_path or None, version)
+            self.policy_version = version
+        finally:
+            await self.resume_generation("weights")
+        self._contexts.clear()  # the prefix cache was dropped with the old weights
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        await self.engine.init_weight_transfer(init_info)
+
+    async def receive_weights(self, version: int, transfer: dict[str, Any]) -> None:
+        await self.pause_generation("weights")
+        try:
+            await self.engine.receive_weights(transfer, version)
+            self.policy_version = version
+        finally:
+            await self.resume_generation("weights")
+        self._contexts.clear()
+
+    async def pause_generation(self, reason: str) -> None:
+        if not self._pause_reasons:
+            await self.engine.pause()
+        self._pause_reasons.add(reason)
+
+    async def resume_generation(self, reason: str) -> None:
+        if reason not in self._pause_reasons:
+            return
+        self._pause_reasons.discard(reason)
+        if not self._pause_reasons:
+            await self.engine.resume()
 
     async def set_role(self, role: str) -> None:
         overrides = self.role_overrides.get(role)

@@ -25,6 +25,12 @@ class EngineChunk:
     ttft_s: float | None  # submit -> first token on this engine's wall clock; None before it
     elapsed_s: float  # submit -> this chunk
     kv_transfer_params: dict[str, Any] | None = None  # final chunk of a prefill for remote decode
+    # Per new token, the k most likely (token id, logprob) by vLLM's rank, the most likely first (k: the request's
+    # top_logprobs); None when k is 0.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The policy version that sampled each token (vLLM's weight-version labels, `vllm_weights.token_versions`);
+    # None where vLLM has no label of ours.
+    token_versions: list[int] | None = None
 
 
 def _plain(value: Any) -> Any:
@@ -36,12 +42,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def top_k(entry: Mapping[int, Any], k: int) -> list[tuple[int, float]]:
+    """The k best of one position's vLLM logprobs (`{token id: Logprob}`: the top k by rank, plus the sampled
+    token at its own rank when it is not among them), the most likely first."""
+    ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+    return [(int(t), float(lp.logprob)) for t, lp in ranked if lp.rank is None or lp.rank <= k][:k]
+
+
 class StreamState:
     """Turns one request's DELTA `RequestOutput`s into `EngineChunk`s."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, top_logprobs: int = 0) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.top_logprobs = top_logprobs  # k alternatives per token (0: none)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.ttft_s: float | None = None
@@ -49,11 +63,13 @@ class StreamState:
     def chunk(self, out: Any, elapsed_s: float) -> EngineChunk:
         completion = out.outputs[0]
         token_ids = list(completion.token_ids)
-        logprobs = None
+        logprobs = top = None
         if completion.logprobs is not None:
             logprobs = [
                 float(entry[tok].logprob) for entry, tok in zip(completion.logprobs, token_ids, strict=True)
             ]
+            if self.top_logprobs > 0:
+                top = [top_k(entry, self.top_logprobs) for entry in completion.logprobs]
         if out.num_cached_tokens is not None:
             self.num_cached_tokens = int(out.num_cached_tokens)
         if token_ids and self.ttft_s is None:
@@ -72,6 +88,7 @@ class StreamState:
             ttft_s=self.ttft_s,
             elapsed_s=elapsed_s,
             kv_transfer_params=_plain(kv_params) if (out.finished and kv_params) else None,
+            top_logprobs=top,
         )
 
     def final(self, reason: str, elapsed_s: float) -> EngineChunk:

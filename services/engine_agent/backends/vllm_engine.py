@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.engine_agent.backend import BackendError, EngineDead, KvUnavailable, RequestAborted
+from services.engine_agent.backends import vllm_weights
 from services.engine_agent.backends.vllm_chunks import EngineChunk, StreamState
 from services.engine_agent.backends.vllm_launch import (
     CPU_MAX_MODEL_LEN,
@@ -114,6 +116,7 @@ class PrefillHandoff:
 
     first_token_id: int
     first_logprob: float | None
+    first_top_logprobs: list[tuple[int, float]] | None  # its k most likely alternatives (top_logprobs > 0)
     kv_transfer_params: dict[str, Any]  # give verbatim to `decode_from_remote` on the decode engine
     seed: int  # the sampling seed used; the decode engine must use the same one
     num_prompt_tokens: int
@@ -122,6 +125,7 @@ class PrefillHandoff:
     finish_reason: (
         str  # "length" (max_tokens=1) or "stop" (the first token is a stop token: nothing to decode)
     )
+    policy_version: int | None = None  # the weights version that sampled the first token (vLLM's label)
 
 
 def request_seed(request_id: str) -> int:
@@ -144,8 +148,13 @@ class VllmEngine:
         # What two engines must share for one to read the other's KV (checked on every handoff, before NIXL's
         # own handshake would fail it): vLLM version, model, dtype, block size, tensor parallelism.
         self.compat = ""
+        # The logprobs it returns (vLLM's engine-wide `logprobs_mode`) and the most top-k alternatives a request
+        # may ask for (`max_logprobs`): vLLM's defaults until started.
+        self.logprobs_mode = "raw_logprobs"
+        self.max_logprobs = 20
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._stats = EngineStatsBox()
+        self._transfer_ready = False  # joined the trainer's weight-transfer group
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -195,6 +204,8 @@ class VllmEngine:
         self.max_model_len = int(vc.model_config.max_model_len)
         self.max_num_seqs = int(vc.scheduler_config.max_num_seqs)
         self.dp_size = int(parallel.data_parallel_size)
+        self.logprobs_mode = str(vc.model_config.logprobs_mode)
+        self.max_logprobs = int(vc.model_config.max_logprobs)
         import vllm
 
         parts = (
@@ -258,6 +269,7 @@ class VllmEngine:
     async def stop(self) -> None:
         """Shut the engine down (its child process and NIXL side channel go with it). Idempotent."""
         llm, self._llm = self._llm, None
+        self._transfer_ready = False  # the group went with the engine
         if llm is None:
             return
         # Stop the output handler first: left running, it sees the engine process die and logs it as a failure.
@@ -299,11 +311,29 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         """Prefill locally and decode up to `max_tokens` tokens, streaming chunks (the last has finished=True).
-        `dp_key` (the trajectory): which data-parallel rank serves it (`dp_rank_for`)."""
+        `dp_key` (the trajectory): which data-parallel rank serves it (`dp_rank_for`). `min_tokens` counts this
+        call's output; `top_logprobs` > 0 streams each token's k most likely alternatives (`EngineChunk`)."""
         params = self._sampling(
-            max_tokens, temperature, top_p, top_k, seed, logprobs, stop_token_ids, ignore_eos, None
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            top_logprobs=top_logprobs,
         )
         return self._stream(request_id, prompt_token_ids, params, dp_key)
 
@@ -320,21 +350,32 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> PrefillHandoff:
-        """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull.
+        """Prefill the prompt, sample the first token and keep the KV for a decode engine to pull. `min_tokens` >
+        0 keeps that token from being a stop token (it is this call's whole output).
 
         Raises RequestAborted after `abort(request_id)`, BackendError when the engine fails the request."""
         seed = request_seed(request_id) if seed is None else seed
         params = self._sampling(
-            1,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            logprobs,
-            stop_token_ids,
-            ignore_eos,
-            {"do_remote_decode": True},
+            max_tokens=1,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            kv_transfer_params={"do_remote_decode": True},
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min(min_tokens, 1),
+            top_logprobs=top_logprobs,
         )
         last: EngineChunk | None = None
         async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
@@ -346,12 +387,14 @@ class VllmEngine:
         return PrefillHandoff(
             first_token_id=last.token_ids[0],
             first_logprob=last.logprobs[0] if last.logprobs else None,
+            first_top_logprobs=last.top_logprobs[0] if last.top_logprobs else None,
             kv_transfer_params={**last.kv_transfer_params, COMPAT_KEY: self.compat},
             seed=seed,
             num_prompt_tokens=last.num_prompt_tokens,
             num_cached_tokens=last.num_cached_tokens,
             prefill_s=last.ttft_s if last.ttft_s is not None else last.elapsed_s,
             finish_reason=last.finish_reason,
+            policy_version=last.token_versions[0] if last.token_versions else None,
         )
 
     async def decode_from_remote(
@@ -369,6 +412,11 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         dp_key: str = "",
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         """Pull the prompt's KV from the prefill engine and decode; output starts with the first token again.
 
@@ -384,15 +432,20 @@ class VllmEngine:
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != COMPAT_KEY}
         seed = request_seed(request_id) if seed is None else seed
         params = self._sampling(
-            max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            logprobs,
-            stop_token_ids,
-            ignore_eos,
-            dict(kv_transfer_params),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            logprobs=logprobs,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            kv_transfer_params=dict(kv_transfer_params),
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min_tokens,
+            top_logprobs=top_logprobs,
         )
         first = True
         async for chunk in self._stream(request_id, prompt_token_ids, params, dp_key):
@@ -416,27 +469,70 @@ class VllmEngine:
 
     # -- weights and stats ---------------------------------------------------------------------------------------
 
-    async def reload_weights(self, weights_path: str | None = None) -> None:
-        """Load new weights in place (same architecture) from `weights_path`, or again from the model path.
-
-        In-flight requests are frozen meanwhile and continue on the new weights (their KV stays); the prefix cache
-        is then dropped so no new request reuses KV computed with the old weights. Raises BackendError on failure."""
-        llm = self._engine()
-        kwargs = {"weights_path": weights_path} if weights_path else {}
+    async def reload_weights(self, weights_path: str | None = None, version: int | None = None) -> None:
+        """Load new weights in place (same architecture) from `weights_path`, or again from the model path, and
+        label the tokens sampled from now on `version` (`vllm_weights`). Pauses and resumes the engine itself;
+        `load_weights` runs on an engine already paused. Raises BackendError on failure."""
+        await self.pause()
         try:
-            await llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                await llm.collective_rpc("reload_weights", kwargs=kwargs)
-            finally:
-                await llm.resume_generation()
-            reset = await llm.reset_prefix_cache()
+            await self.load_weights(weights_path, version)
+        finally:
+            await self.resume()
+
+    async def pause(self) -> None:
+        """Freeze every request between two steps (`vllm_weights.pause`). Raises BackendError on failure."""
+        try:
+            await vllm_weights.pause(self._engine())
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: pause failed: {exc!r}") from exc
+
+    async def resume(self) -> None:
+        try:
+            await vllm_weights.resume(self._engine())
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: resume failed: {exc!r}") from exc
+
+    async def load_weights(self, weights_path: str | None, version: int | None) -> None:
+        """On a paused engine: the weights at `weights_path` ("" / None: the model path), labelled `version`."""
+        try:
+            await vllm_weights.reload_from(self._engine(), weights_path or None, version)
         except _vllm_errors() as exc:
             raise BackendError(
                 f"engine {self.config.engine_id}: reloading weights from {weights_path or 'the model path'} "
                 f"failed: {exc!r}"
             ) from exc
-        if not reset:
-            log.warning("engine %s: prefix cache not reset (blocks in use)", self.config.engine_id)
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's weight-transfer group (`vllm_weights.init_transfer`; the engine must have been started
+        with a `weight_transfer_config`, e.g. `{"backend": "nccl"}`). Blocks until the trainer joins too (NCCL's
+        rendezvous). Raises BackendError on failure."""
+        try:
+            await vllm_weights.init_transfer(self._engine(), init_info)
+        except (*_vllm_errors(), TypeError, KeyError) as exc:
+            raise BackendError(
+                f"engine {self.config.engine_id}: joining the weight transfer failed: {exc!r}"
+            ) from exc
+        self._transfer_ready = True
+
+    async def receive_weights(self, transfer: dict[str, Any], version: int) -> None:
+        """On a paused engine: tensors through vLLM's weight-transfer API (`vllm_weights.receive`), `transfer`'s
+        `update_info` (the backend's: names/dtype_names/shapes for "nccl"). Raises BackendError when the engine has
+        not joined the trainer's group (`init_weight_transfer`) or the transfer fails."""
+        if not self._transfer_ready:
+            raise BackendError(
+                f"engine {self.config.engine_id} has not joined a weight-transfer group (WeightTransferInit first)"
+            )
+        try:
+            await vllm_weights.receive(self._engine(), transfer.get("update_info") or {}, version)
+        except (*_vllm_errors(), TypeError, KeyError) as exc:
+            raise BackendError(f"engine {self.config.engine_id}: weight transfer failed: {exc!r}") from exc
+
+    async def label_weights(self, version: int) -> None:
+        """Label the tokens sampled from now on `version` (at start: the version it serves)."""
+        try:
+            await vllm_weights.label(self._engine(), version)
+        except _vllm_errors() as exc:
+            raise BackendError(f"engine {self.config.engine_id}: labelling weights failed: {exc!r}") from exc
 
     def stats(self) -> VllmEngineStats:
         """Load as of the engine's last step (running/waiting are zero once no request is unfinished)."""
@@ -449,6 +545,7 @@ class VllmEngine:
 
     @staticmethod
     def _sampling(
+        *,
         max_tokens: int,
         temperature: float,
         top_p: float,
@@ -457,7 +554,12 @@ class VllmEngine:
         logprobs: bool,
         stop_token_ids: list[int] | None,
         ignore_eos: bool,
-        kv_transfer_params: dict[str, Any] | None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_tokens: int = 0,
+        top_logprobs: int = 0,
     ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -468,9 +570,14 @@ class VllmEngine:
             top_p=top_p,
             top_k=top_k,
             seed=seed,
-            logprobs=0 if logprobs else None,  # 0: only the sampled token's logprob
+            # k: the top k and the sampled token's logprob (vLLM adds it when it ranks lower); 0: the sampled only
+            logprobs=top_logprobs if top_logprobs > 0 else (0 if logprobs else None),
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            min_tokens=min(min_tokens, max_tokens),  # vLLM refuses more than max_tokens
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
@@ -483,7 +590,7 @@ class VllmEngine:
 
         llm = self._engine()
         t0 = time.perf_counter()
-        state = StreamState(request_id, len(prompt_token_ids))
+        state = StreamState(request_id, len(prompt_token_ids), top_logprobs=params.logprobs or 0)
         outputs = llm.generate(
             TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
             params,
@@ -494,7 +601,11 @@ class VllmEngine:
             # aclosing: a consumer that stops early closes vLLM's generator, which aborts the request.
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
+                    start = state.num_output_tokens
                     chunk = state.chunk(out, time.perf_counter() - t0)
+                    versions = vllm_weights.token_versions(llm, request_id, out, start, len(chunk.token_ids))
+                    if versions is not None:
+                        chunk = dataclasses.replace(chunk, token_versions=versions)
                     yield chunk
                     if chunk.finished:
                         return
