@@ -4,6 +4,7 @@ that knows what every simulated request must produce (its ids are a pure functio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ def make_agent(
 ) -> EngineAgent:
     """An agent tuned for tests: short polls and intervals, a short ack_wait."""
     max_model_len = config.pop("max_model_len", 131_072)
+    restart_roles = config.pop("restart_roles", ())  # roles of another layout: a switch to them restarts
     defaults: dict[str, Any] = {
         "role": role,
         "ack_wait_s": 5.0,
@@ -36,7 +38,16 @@ def make_agent(
         "any_poll_s": 0.1,
     }
     defaults.update(config)
-    backend = SimBackend(PROFILE, engine_id, role=role, speedup=speedup, max_model_len=max_model_len)
+    # A restart costs the profile's engine start (a minute); 4 modelled seconds keep a test's restarts short.
+    profile = dataclasses.replace(PROFILE, engine_start_s=4.0) if restart_roles else PROFILE
+    backend = SimBackend(
+        profile,
+        engine_id,
+        role=role,
+        speedup=speedup,
+        max_model_len=max_model_len,
+        restart_roles=restart_roles,
+    )
     return EngineAgent(url, engine_id=engine_id, backend=backend, config=AgentConfig(**defaults))
 
 

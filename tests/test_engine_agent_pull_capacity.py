@@ -1,17 +1,15 @@
-"""Capacity-driven pulling and drain planning (pure): tables of load in → pull sizes / decisions out."""
+"""Capacity-driven pulling (pure): tables of load in → pull sizes out."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.engine_agent.pull_capacity import (
-    DrainItem,
     EngineLimits,
     Ewma,
     HeldWork,
     decode_pull_size,
     kv_reservation_tokens,
-    plan_drain,
     prefill_pull_size,
     pull_size,
 )
@@ -63,17 +61,6 @@ def test_decode_pull_size(held: HeldWork, est: float, expected: int) -> None:
 def test_pull_size_by_role(role: str, kind: str, expected: int) -> None:
     held = HeldWork(decode_jobs=2, kv_reserved_tokens=80_000)
     assert pull_size(role, kind, LIMITS, held, 1_000, 10_000) == expected  # type: ignore[arg-type]
-
-
-def test_plan_drain_finishes_what_ends_within_the_timeout() -> None:
-    items = [
-        DrainItem("short", remaining_tokens=100, s_per_token=0.02),  # 2 s
-        DrainItem("edge", remaining_tokens=500, s_per_token=0.02),  # 10 s
-        DrainItem("long", remaining_tokens=5_000, s_per_token=0.02),  # 100 s
-        DrainItem("done", remaining_tokens=0, s_per_token=0.02),
-    ]
-    assert plan_drain(items, drain_timeout_s=10.0) == (["short", "edge", "done"], ["long"])
-    assert plan_drain(items, drain_timeout_s=0.0) == (["done"], ["short", "edge", "long"])
 
 
 def test_helpers() -> None:

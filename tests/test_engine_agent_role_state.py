@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 from proto import ROLES, RoleSwitchCommand
 from services.engine_agent import role_state as rs
 from services.engine_agent.role_state import (
-    finishes_in_drain,
     initial_state,
-    job_fate,
     on_command,
     on_switch_done,
     on_switch_failed,
@@ -102,31 +100,6 @@ def test_completing_without_a_switch_is_our_bug() -> None:
         initial_state(ENGINE, "sideways")
 
 
-@pytest.mark.parametrize(
-    ("kind", "fate"), [("prefill", "finish"), ("decode", "drain"), ("generate", "drain")]
-)
-def test_a_switch_finishes_prefills_and_drains_everything_that_decodes(kind: str, fate: str) -> None:
-    """Whatever the new role: an engine drains to idle before it reconfigures (a decode the new role would serve
-    too does not stay running through the switch)."""
-    assert job_fate(kind) == fate  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("remaining", "s_per_token", "bound", "stays"),
-    [
-        (100, 0.01, 1.0, True),  # 1 s: exactly within the bound
-        (101, 0.01, 1.0, False),
-        (0, 5.0, 0.0, True),  # nothing left to decode
-        (-3, 0.01, 0.0, True),  # overshot its expected length: as good as done
-        (10, 0.0, 0.0, True),  # an inter-token time of 0: it ends at once
-    ],
-)
-def test_a_decode_stays_only_if_it_ends_within_the_drain_bound(
-    remaining: int, s_per_token: float, bound: float, stays: bool
-) -> None:
-    assert finishes_in_drain(remaining, s_per_token, bound) is stays
-
-
 events = st.lists(
     st.one_of(
         st.tuples(st.just("cmd"), st.integers(1, 12), st.sampled_from(ROLES), st.sampled_from([ENGINE, "x"])),
@@ -168,6 +141,7 @@ def test_epochs_only_increase_and_stale_or_duplicate_commands_change_nothing(evs
 
 PURE_MODULES = [
     "role_state.py",
+    "switch_rule.py",
     "pull_capacity.py",
     "jobs.py",
     "job_core.py",

@@ -1,16 +1,35 @@
 """The role-switch protocol against a real nats-server: epoch fencing over request/reply, and switches (and a
-graceful stop) with requests in flight that lose and duplicate nothing."""
+graceful stop) with requests in flight that lose and duplicate nothing — in place between equal layouts (nothing
+drains, moves or is prefilled again: `switch_rule.py`), and as a drain and restart where the new role's layout
+differs (`RESTART`: engines whose every role has a layout of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import proto
-from proto import EngineStats, ErrorReply, RoleSwitchAck, RoleSwitchCommand, Subjects
-from tests.engine_agent_support import Watcher, make_agent, publish_work, request, wait_until
+from proto import (
+    EngineStats,
+    ErrorReply,
+    PrefillDone,
+    RequestFinished,
+    RoleSwitchAck,
+    RoleSwitchCommand,
+    Subjects,
+)
+from tests.engine_agent_support import (
+    Watcher,
+    make_agent,
+    publish_work,
+    request,
+    wait_until,
+    wait_work_queue_empty,
+)
 
 S = Subjects()
+RESTART = ("prefill", "decode", "mixed")  # restart_roles of an engine whose every switch restarts it
 
 
 def command(engine_id: str, role: str, epoch: int, drain_timeout_s: float = 5.0) -> RoleSwitchCommand:
@@ -60,11 +79,178 @@ async def test_epochs_fence_stale_and_duplicate_commands(nats_server, nc) -> Non
         await agent.stop()
 
 
-async def test_decode_to_prefill_migrates_long_decodes_without_loss_or_duplicates(nats_server, nc) -> None:
+def prefills_of(watcher: Watcher, rids: list[str]) -> dict[str, list[PrefillDone]]:
+    out: dict[str, list[PrefillDone]] = {r: [] for r in rids}
+    for e in watcher.of(PrefillDone):
+        if e.request_id in out:
+            out[e.request_id].append(e)
+    return out
+
+
+async def test_a_decode_engine_switching_in_place_to_prefill_keeps_its_decodes_and_prefills_meanwhile(
+    nats_server, nc
+) -> None:
+    """Equal layouts: the switch is in place. However short the drain timeout, nothing drains, migrates or is
+    prefilled again: every running decode finishes on the switching engine, which takes new prompts (addressed to
+    it) and prefills them while its old decodes still run — mixed, in effect, until they end."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    prefill = make_agent(nats_server.url, "ip-p", "prefill")
+    switcher = make_agent(nats_server.url, "ip-d", "decode")
+    await prefill.start()
+    await switcher.start()
+    other = make_agent(nats_server.url, "ip-d2", "decode")
+    try:
+        rids = [f"ip{i}" for i in range(4)]
+        for rid in rids:
+            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=3000))
+        await wait_until(lambda: all(watcher.tokens_streamed(r) >= 30 for r in rids))
+        await other.start()  # where the new prompts decode: the switcher will no longer pull handoffs
+        ack = await send(nc, "ip-d", command("ip-d", "prefill", 1, drain_timeout_s=0.05))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (0, 0)
+        assert (
+            switcher.role == "prefill" and sorted(switcher.runner.jobs) == rids
+        )  # still held, still running
+        late = [f"ipl{i}" for i in range(2)]
+        for rid in late:
+            await publish_work(nc, S.prefill_work_for("ip-d"), request(rid, max_tokens=20))
+        await watcher.wait_finished(rids + late)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 3000)
+            assert {c.engine_id for c in chunks} == {"ip-d"}  # held decodes finish on the switching engine
+        for rid in late:
+            final = watcher.assert_exact_stream(rid, 20)[-1]
+            assert (final.prefill_engine, final.engine_id) == ("ip-d", "ip-d2")
+        prefills = prefills_of(watcher, rids + late)
+        assert all(len(p) == 1 for p in prefills.values()), prefills  # no re-prefill
+        assert {p[0].engine_id for r, p in prefills.items() if r in rids} == {"ip-p"}
+        await wait_until(lambda: len(watcher.of(RequestFinished)) >= len(rids + late))
+        last_old_end = max(e.ts_s for e in watcher.of(RequestFinished) if e.request_id in rids)
+        assert all(prefills[r][0].ts_s < last_old_end for r in late)  # prefilled while its decodes ran
+        await wait_work_queue_empty(nc)
+    finally:
+        for a in (prefill, switcher, other):
+            await a.stop()
+
+
+async def test_a_mixed_engine_switching_in_place_to_decode_finishes_everything_it_holds(
+    nats_server, nc
+) -> None:
+    """Prompts it pulled but has not prefilled yet, prefilled or not, finish here (prefill and decode: one
+    generate call each); prompts addressed to it after the switch go to the shared queue for a prefill engine,
+    and their decodes come back to it, now a decode engine."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    # Room for the four prompts at once: ~22 modelled s of prefill (1.1 s wall at 20×) the switch lands inside.
+    switcher = make_agent(nats_server.url, "im-x", "mixed", prefill_budget_tokens=500_000)
+    await switcher.start()
+    prefill = make_agent(nats_server.url, "im-p", "prefill")
+    try:
+        rids = [f"im{i}" for i in range(4)]
+        for rid in rids:
+            await publish_work(
+                nc, S.prefill_work_for("im-x"), request(rid, max_tokens=30, prompt_len=100_000)
+            )
+        await wait_until(lambda: len(switcher.runner.jobs) == 4)
+        assert not any(j.prefilled for j in switcher.runner.jobs.values())
+        ack = await send(nc, "im-x", command("im-x", "decode", 1, drain_timeout_s=0.01))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (0, 0) and len(switcher.runner.jobs) == 4
+        await prefill.start()
+        late = [f"iml{i}" for i in range(2)]
+        for rid in late:  # a client that read its stats before the switch
+            await publish_work(nc, S.prefill_work_for("im-x"), request(rid, max_tokens=30))
+        await watcher.wait_finished(rids + late, timeout_s=30.0)
+        for rid in rids:
+            chunks = watcher.assert_exact_stream(rid, 30)
+            assert {(c.engine_id, c.prefill_engine) for c in chunks if c.finished} == {("im-x", "im-x")}
+        for rid in late:
+            final = watcher.assert_exact_stream(rid, 30)[-1]
+            assert (final.prefill_engine, final.engine_id) == ("im-p", "im-x")
+        assert all(len(p) == 1 for p in prefills_of(watcher, rids + late).values())
+        await wait_work_queue_empty(nc)
+    finally:
+        for a in (switcher, prefill):
+            await a.stop()
+
+
+async def test_a_prefill_engine_switching_in_place_to_decode_finishes_its_prefill_and_hands_it_on(
+    nats_server, nc
+) -> None:
+    """The prompt it is prefilling finishes and its KV is handed on, here decoded by the engine itself (now the
+    only decode engine); the prompts waiting in its addressed queue move to the shared queue."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    # One prompt at a time, so addressed work queues up behind it.
+    switcher = make_agent(nats_server.url, "ix-x", "prefill", prefill_budget_tokens=1)
+    await switcher.start()
+    prefill = make_agent(nats_server.url, "ix-p", "prefill")
+    try:
+        rids = [f"ix{i}" for i in range(3)]
+        for rid in rids:
+            await publish_work(
+                nc, S.prefill_work_for("ix-x"), request(rid, max_tokens=20, prompt_len=100_000)
+            )
+        await wait_until(lambda: len(switcher.runner.jobs) == 1)
+        (first,) = switcher.runner.jobs
+        ack = await send(nc, "ix-x", command("ix-x", "decode", 1, drain_timeout_s=0.01))
+        assert isinstance(ack, RoleSwitchAck) and ack.ok
+        assert (ack.migrated_requests, ack.drained_requests) == (0, 0)
+        await prefill.start()
+        await watcher.wait_finished(rids, timeout_s=30.0)
+        prefills = prefills_of(watcher, rids)
+        assert all(len(p) == 1 for p in prefills.values()), prefills  # nothing prefilled twice
+        for rid in rids:
+            final = watcher.assert_exact_stream(rid, 20)[-1]
+            assert final.engine_id == "ix-x"  # the only decode engine
+            assert final.prefill_engine == ("ix-x" if rid == first else "ix-p")
+        await wait_work_queue_empty(nc)
+    finally:
+        for a in (switcher, prefill):
+            await a.stop()
+
+
+async def test_a_prompt_a_fetch_brings_after_an_in_place_switch_to_decode_goes_back_to_its_queue(
+    nats_server, nc
+) -> None:
+    """An in-place switch does not wait for the long polls in flight: one that delivers a prompt after the engine
+    became a decode engine gives it back at once (nak), and a prefill engine takes it."""
+    watcher = Watcher()
+    await watcher.attach(nc)
+    switcher = make_agent(
+        nats_server.url, "rb-x", "prefill", any_poll_s=3.0
+    )  # its fetch of prompts waits long
+    await switcher.start()
+    prefill = make_agent(nats_server.url, "rb-p", "prefill")
+    try:
+        await asyncio.sleep(0.2)  # the switcher's long poll of the shared prompt queue is under way
+        ack = await send(nc, "rb-x", command("rb-x", "decode", 1))
+        assert (
+            isinstance(ack, RoleSwitchAck) and ack.ok and ack.switch_s < 1.0
+        )  # it did not wait for the poll
+        await publish_work(nc, S.prefill_work_any, request("rb0", max_tokens=20))
+        await wait_until(lambda: switcher.puller.returned == 1)
+        assert not switcher.runner.jobs  # a decode engine runs no prompt
+        await prefill.start()
+        await watcher.wait_finished(["rb0"])
+        final = watcher.assert_exact_stream("rb0", 20)[-1]
+        assert (final.prefill_engine, final.engine_id) == ("rb-p", "rb-x")
+        assert switcher.health_details()["returned_messages"] == 1
+    finally:
+        for a in (switcher, prefill):
+            await a.stop()
+
+
+async def test_a_restart_migrates_long_decodes_to_their_prefix_without_loss_or_duplicates(
+    nats_server, nc
+) -> None:
+    """A decode engine restarting into prefill moves its long decodes on, each to the prefill engine that holds its
+    prompt (it still takes prompts): re-prefilled there from its cache, decoded by another engine, exact."""
     watcher = Watcher()
     await watcher.attach(nc)
     prefill = make_agent(nats_server.url, "sw-p", "prefill")
-    switcher = make_agent(nats_server.url, "sw-d", "decode")
+    switcher = make_agent(nats_server.url, "sw-d", "decode", restart_roles=RESTART)
     await prefill.start()
     await switcher.start()
     later = make_agent(nats_server.url, "sw-d2", "decode")
@@ -84,16 +270,20 @@ async def test_decode_to_prefill_migrates_long_decodes_without_loss_or_duplicate
             engines = [c.engine_id for c in chunks]
             assert engines[0] == "sw-d" and engines[-1] == "sw-d2"
             assert engines == sorted(engines, key=lambda e: e != "sw-d")  # one move, never back
+        again = [e for e in watcher.of(PrefillDone) if e.request_id in rids and e.cached_tokens > 0]
+        assert {e.engine_id for e in again} == {"sw-p"} and len(again) == 4  # back where the prompt is cached
     finally:
         for a in (prefill, switcher, later):
             await a.stop()
 
 
-async def test_decodes_that_end_within_the_drain_timeout_finish_in_place(nats_server, nc) -> None:
+async def test_decodes_a_restart_expects_to_end_within_the_drain_timeout_finish_first(
+    nats_server, nc
+) -> None:
     watcher = Watcher()
     await watcher.attach(nc)
     prefill = make_agent(nats_server.url, "dr-p", "prefill")
-    switcher = make_agent(nats_server.url, "dr-d", "decode")
+    switcher = make_agent(nats_server.url, "dr-d", "decode", restart_roles=RESTART)
     await prefill.start()
     await switcher.start()
     try:
@@ -113,11 +303,13 @@ async def test_decodes_that_end_within_the_drain_timeout_finish_in_place(nats_se
         await switcher.stop()
 
 
-async def test_work_addressed_to_an_engine_leaving_prefill_moves_to_the_shared_queue(nats_server, nc) -> None:
+async def test_work_addressed_to_an_engine_restarting_out_of_prefill_moves_to_the_shared_queue(
+    nats_server, nc
+) -> None:
     watcher = Watcher()
     await watcher.attach(nc)
     # One prompt at a time, so addressed work queues up behind it.
-    leaving = make_agent(nats_server.url, "fw-x", "prefill", prefill_budget_tokens=1)
+    leaving = make_agent(nats_server.url, "fw-x", "prefill", prefill_budget_tokens=1, restart_roles=RESTART)
     decode = make_agent(nats_server.url, "fw-d", "decode")
     await leaving.start()
     await decode.start()
@@ -170,16 +362,17 @@ async def test_graceful_stop_hands_in_flight_decodes_to_another_engine(nats_serv
         await second.stop()
 
 
-async def test_a_mixed_engine_switching_to_decode_drains_its_unprefilled_prompts_to_idle(
+async def test_a_mixed_engine_restarting_as_decode_drains_its_unprefilled_prompts_to_idle(
     nats_server, nc
 ) -> None:
-    """A switch drains to idle whatever the new role: prompts still queued on a mixed engine switching to decode
-    finish here (prefill and decode) within the drain timeout, or go back to the prefill queue untouched — never
-    left on a decode engine, which never plans a prefill step."""
+    """A restart drains to idle: prompts still queued on a mixed engine restarting as decode finish here (prefill
+    and decode) within the drain timeout, or go back to the prefill queue untouched."""
     watcher = Watcher()
     await watcher.attach(nc)
     # Room for the four prompts at once: ~22 modelled s of prefill (1.1 s wall at 20×) the switch lands inside.
-    switcher = make_agent(nats_server.url, "pf-x", "mixed", prefill_budget_tokens=500_000)
+    switcher = make_agent(
+        nats_server.url, "pf-x", "mixed", prefill_budget_tokens=500_000, restart_roles=("decode",)
+    )
     await switcher.start()
     other = make_agent(nats_server.url, "pf-p", "prefill")
 
@@ -224,14 +417,15 @@ async def test_a_mixed_engine_switching_to_decode_drains_its_unprefilled_prompts
             await a.stop()
 
 
-async def test_decodes_on_a_mixed_engine_switching_to_decode_migrate_unless_they_end_within_the_drain(
+async def test_decodes_on_a_mixed_engine_restarting_as_decode_migrate_unless_they_end_within_the_drain(
     nats_server, nc
 ) -> None:
-    """The new role would serve them, but a switch drains to idle first (the simulator's engines run the same
-    rule): long decodes migrate, re-prefilled elsewhere, and their streams stay exact."""
+    """The new role would serve them, but its layout differs: the engine drains before it restarts (the
+    simulator's engines run the same rule). Long decodes migrate — their prefix was on the restarting engine, so
+    through the shared queue — are re-prefilled elsewhere, and their streams stay exact."""
     watcher = Watcher()
     await watcher.attach(nc)
-    switcher = make_agent(nats_server.url, "md-x", "mixed")
+    switcher = make_agent(nats_server.url, "md-x", "mixed", restart_roles=("decode",))
     await switcher.start()
     prefill = make_agent(nats_server.url, "md-p", "prefill")
     decode = make_agent(nats_server.url, "md-d", "decode")

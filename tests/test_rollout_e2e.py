@@ -189,7 +189,7 @@ SWITCH_ROLES = ("prefill", "decode", "decode")
 
 async def test_live_timings_match_the_simulator_across_a_role_switch(nats_server, monkeypatch) -> None:
     """Three engines, prefill + two decode; 4 virtual seconds in, the last decode engine becomes a prefill engine
-    (drained, reconfigured for the profile's switch time). Live, the command is sent to the engine as the allocator
+    (in place: it pulls nothing for the profile's switch time and finishes its decodes). Live, the command is sent to the engine as the allocator
     would send it; in the simulator a scripted policy plans it and the switch coordinator issues it. Average
     trajectory time within 10 %."""
     at_s, drain_s = 4.0, 5.0

@@ -39,6 +39,7 @@ def _workload(config: SimConfig):
 
 def _queued_enqueue(self: SimEngine, req, now: float) -> None:
     """`SimEngine.enqueue_prefill` without its shortcut: always through the queue and `_poke`."""
+    req.remote = self.role == "prefill"
     t = req.traj
     req.est_tokens = req.context_tokens - self.cache.lookup(
         t.key, req.context_tokens, t.group_key, t.group_tokens

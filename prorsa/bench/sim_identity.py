@@ -2,8 +2,9 @@
 
 The gate for speed work on the simulator, whose changes must not move a result: run `save DIR` on the tree before
 the change and `compare DIR` on the tree after it (each imports the `prorsa` of the current directory). Every
-configuration of a matrix (workloads × policies × sync/async, role switches and migrations, aborts, GRPO groups,
-the sim_speed bench at 1/16 scale) is simulated; its `--json` result (sorted keys) must match byte for byte. A subset
+configuration of a matrix (workloads × policies × sync/async, role switches in place and by restart with
+migrations, aborts, GRPO groups, the sim_speed bench at 1/16 scale) is simulated; its `--json` result (sorted keys)
+must match byte for byte. A subset
 runs a second time with an observer attached (the engines take other paths then), and that run's result and a hash
 of every lifecycle event it sees (kind, trajectory, virtual time, fields) must match too. Event counts are printed
 beside, not compared: a speed change may remove events. `--only SUBSTRING` runs a part. About 4 CPU minutes in all.
@@ -55,12 +56,13 @@ def configurations() -> dict[str, tuple[dict[str, Any], bool]]:
         for mode in (
             "sync",
             "async2",
-        ):  # role switches (dynamo at 16 engines), and migrations (short drain bound)
+        ):  # role switches in place (dynamo at 16 engines), and migrations (restarts with a short drain bound)
             extra = dict(mode="sync", steps=2) if mode == "sync" else dict(mode="async", staleness=2, steps=3)
             cfg = dict(workload=w, engines=16, policy="dynamo", batch_size=64, training_s=20.0, **extra)
             observe = w != "profile:general"
             out[f"{w}|dynamo16|{mode}"] = (cfg, observe)
-            out[f"{w}|dynamo16|{mode}|drain0.2"] = (dict(cfg, drain_bound_s=0.2), observe)
+            restarts = dict(drain_bound_s=0.2, restart_roles=("prefill", "decode", "mixed"))
+            out[f"{w}|dynamo16|{mode}|drain0.2"] = (dict(cfg, **restarts), observe)
     for w in ("swe", "profile:coding"):  # aborts: staleness 0
         for p in ("static:2:6", "reactive", "prorsa"):
             cfg = dict(workload=w, engines=8, policy=p, batch_size=24, mode="async", staleness=0, steps=3)

@@ -6,7 +6,8 @@ wake-ups go on the event heap, a prompt prefilled on a prefill engine goes to th
 by a `HANDOFF_ARRIVE` event, a finished turn goes to the RL driver, and lifecycle events go to an observer when one
 is attached. The core counts the work done into the run's `Metrics` itself (its `tally`).
 
-Switching (`request_switch`, drain → reconfigure → rejoin) lives in `prorsa.sim.engine_switching`.
+Switching (`request_switch`: in place, or drain → restart → rejoin) lives in `prorsa.sim.engine_switching`; the
+rule is `services.engine_agent.switch_rule`'s, which the live agent runs too.
 """
 
 from __future__ import annotations
@@ -19,15 +20,25 @@ from mypy_extensions import mypyc_attr
 from prorsa.sim import engine_switching as switching
 from prorsa.sim import events as ev
 from proto import EngineStats
-from services.engine_agent.engine_core import ACTIVE, DRAINING, IDLE, JUMP, RECONFIG, CoreSeq, EngineCore
+from services.engine_agent.engine_core import (
+    ACTIVE,
+    DRAINING,
+    IDLE,
+    JUMP,
+    RECONFIG,
+    SWITCHING,
+    CoreSeq,
+    EngineCore,
+)
 from services.engine_agent.pull_capacity import PullEstimates
+from services.engine_agent.switch_rule import OutputEstimate
 from services.runtime.perf_model import ModelProfile
 
 if TYPE_CHECKING:
     from prorsa.sim.core import Simulation
     from prorsa.sim.state import Request
 
-__all__ = ["ACTIVE", "DRAINING", "IDLE", "JUMP", "RECONFIG", "SimEngine"]
+__all__ = ["ACTIVE", "DRAINING", "IDLE", "JUMP", "RECONFIG", "SWITCHING", "SimEngine"]
 
 ENGINE_WAKE, HANDOFF_ARRIVE = ev.ENGINE_WAKE, ev.HANDOFF_ARRIVE
 
@@ -38,7 +49,8 @@ class SimEngine(EngineCore):
 
     __slots__ = tuple(  # one expression: mypy cannot type a tuple grown by `+=` (`prorsa.native_build`)
         "engine_id sim router metrics target_role _push _heap _due _more driver epoch"  # noqa: SIM905
-        " pending_epoch drain_bound_s pull_estimates decode_due_s decode_check_pending".split()
+        " pending_epoch drain_bound_s pull_estimates decode_due_s decode_check_pending output_estimate"
+        " restart_roles switch_token drain_decided drain_expired".split()
     )
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
@@ -64,6 +76,13 @@ class SimEngine(EngineCore):
         self.pull_estimates = PullEstimates()
         self.decode_due_s = 0.0  # a mixed engine's next look at the handoff queue
         self.decode_check_pending = False
+        # What a switch knows of answer lengths: the answers this engine saw finish, as the live agent's runner.
+        self.output_estimate = OutputEstimate()
+        # Roles whose layout differs from this engine's: a switch to one restarts it (`switch_rule`).
+        self.restart_roles: tuple[str, ...] = sim.config.restart_roles
+        self.switch_token = 0  # names the switch in progress: a completion event of an older one is stale
+        self.drain_decided = False  # a restart's drain chose the decodes that stay (once, as the live agent)
+        self.drain_expired = False  # its drain bound has passed: whatever still runs is handed on
 
     def stats(
         self, now: float, prefill_tokens_per_s: float = 0.0, decode_tokens_per_s: float = 0.0
@@ -94,6 +113,7 @@ class SimEngine(EngineCore):
             in_flight_tokens=in_flight,
             prefix_cache_tokens=self.cache.used_tokens,
             addressed_waiting=len(self.own_prompts),
+            restart_roles=list(self.restart_roles),  # type: ignore[arg-type]
         )
 
     # -- the core's hooks ---------------------------------------------------------------------------------------
@@ -105,6 +125,16 @@ class SimEngine(EngineCore):
         else:
             self._due[t] = (ENGINE_WAKE, self, token)
             heappush(self._heap, t)
+
+    def enqueue_prefill(self, seq: CoreSeq, now: float) -> None:
+        """Queue a prompt pulled now: a prefill engine's prompt decodes elsewhere (the live job kind, fixed at the
+        pull: it stays so through a switch)."""
+        seq.remote = self.role == "prefill"
+        EngineCore.enqueue_prefill(self, seq, now)
+
+    def take_prompt(self, seq: CoreSeq) -> None:
+        seq.remote = self.role == "prefill"
+        EngineCore.take_prompt(self, seq)
 
     def _hand_off(self, seq: CoreSeq, now: float) -> None:
         self.router.handoff(cast("Request", seq), now)  # the simulator's engines hold its requests
@@ -131,7 +161,10 @@ class SimEngine(EngineCore):
         self.sim.emit_decode_progress(self, now)
 
     def _on_finished(self, seq: CoreSeq, now: float) -> None:
-        self.driver.on_turn_done(cast("Request", seq), now)
+        req = cast("Request", seq)
+        # The whole answer, as the live runner counts a finished job's output (resumed tokens included).
+        self.output_estimate.observe(req.traj.spec.turns[req.turn].output_tokens)
+        self.driver.on_turn_done(req, now)
 
     def _pull_handoffs(self, now: float) -> None:
         self.router.pull_handoffs(self, now)

@@ -19,7 +19,9 @@ from typing import Any, Protocol
 ARRIVAL = 0  # a trajectory's turn is submitted (a: Traj, b: attempt)
 ENGINE_WAKE = 1  # an engine's step or decode jump ends (a: SimEngine, b: token)
 HANDOFF_ARRIVE = 2  # a KV transfer to a decode engine completes (a: SimEngine, b: Request)
-RECONFIG_DONE = 3  # an engine finishes reconfiguring for its new role (a: SimEngine, b: token)
+# An engine's switch timer fires: its in-place pause or its restart ends, or its drain bound passes (a: SimEngine,
+# b: token; `prorsa.sim.engine_switching`).
+RECONFIG_DONE = 3
 POLICY_TICK = 4  # the allocator policy decides
 TRAINING_DONE = 5  # the trainer finishes a step's batch (a: step index)
 END = 6  # the duration cap is reached (due just after it)

@@ -12,6 +12,7 @@ from prorsa.sim.events import SimObserver
 from prorsa.sim.metrics import ROLE_NAMES
 from prorsa.sim.sim_driver import MODES, StepSource
 from prorsa.sim.views import DemandFeed
+from proto import ROLES
 from services.allocator.policy import AllocatorPolicy
 from services.allocator.registry import make_policy
 from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
@@ -47,6 +48,10 @@ class SimConfig:
     forecaster: str = "ensemble"
     # Prompts longer than this end their trajectory (the engines reject them; the live driver does the same).
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    # Roles whose engine layout differs from the engines' own (live: `--role-engine-arg`): a switch to one restarts
+    # the engine (drain, the profile's `engine_start_s`, an empty cache); every other switch is in place
+    # (`services.engine_agent.switch_rule`). None by default, as with kv_both engines of one layout.
+    restart_roles: tuple[str, ...] = ()
     observer: SimObserver | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,10 @@ class SimConfig:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
         if not self.forecaster:
             raise ValueError("forecaster must name a predictor")
+        unknown = sorted(set(self.restart_roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"restart_roles: unknown role(s) {', '.join(unknown)}; expected some of {ROLES}")
+        self.restart_roles = tuple(self.restart_roles)
         if self.steps is None and self.duration_s is None:
             self.steps = 1
 
@@ -86,6 +95,8 @@ class SimConfig:
             "window_s": self.window_s,
             "drain_bound_s": self.drain_bound_s,
             "forecaster": self.forecaster,
+            # Only when set: a plain run's JSON keeps its shape.
+            **({"restart_roles": list(self.restart_roles)} if self.restart_roles else {}),
         }
 
 

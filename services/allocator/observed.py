@@ -114,6 +114,7 @@ def engine_view(
         prefill_tokens_per_s=s.prefill_tokens_per_s,
         decode_tokens_per_s=s.decode_tokens_per_s,
         prefix_cache_tokens=s.prefix_cache_tokens,
+        restart_roles=tuple(s.restart_roles),
     )
 
 

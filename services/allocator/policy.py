@@ -52,12 +52,18 @@ class EngineView:
     prefill_tokens_per_s: float = 0.0  # prompt tokens it prefilled per second
     decode_tokens_per_s: float = 0.0  # output tokens it generated per second
     prefix_cache_tokens: int = 0  # prompt tokens its prefix cache holds for later turns (0 = not measured)
+    # Roles a switch to which restarts it (another engine layout; EngineStats.restart_roles): priced as an engine
+    # start with a drain, where any other switch is in place (services/engine_agent/switch_rule.py).
+    restart_roles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise PolicyError(f"engine {self.engine_id}: unknown role {self.role!r}")
         if self.target_role and self.target_role not in ROLES:
             raise PolicyError(f"engine {self.engine_id}: unknown target role {self.target_role!r}")
+        unknown = [r for r in self.restart_roles if r not in ROLES]
+        if unknown:
+            raise PolicyError(f"engine {self.engine_id}: unknown restart role(s) {unknown}")
 
 
 @dataclass(frozen=True, slots=True)

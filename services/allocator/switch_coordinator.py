@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from proto import EngineStats, RoleSwitchAck, RoleSwitchCommand
 
-# The drain bound every switch command carries (RoleSwitchCommand.drain_timeout_s, scaled seconds): a switching
-# engine keeps decodes expected to end within it and migrates the rest (role_state.finishes_in_drain). One value
+# The drain bound every switch command carries (RoleSwitchCommand.drain_timeout_s, scaled seconds): an engine that
+# restarts into another layout keeps decodes expected to end within it and migrates the rest (an in-place switch
+# drains nothing: services/engine_agent/switch_rule.py). One value
 # for the live allocator, the simulator (SimConfig.drain_bound_s) and the prorsa policy, which prices a move's drain
 # with it: a live allocator sending another bound than the one modelled runs a different switch than it planned (it
 # sent 30 s while the model and every simulated figure assumed 5: a mover then sat up to 30 s without new work).

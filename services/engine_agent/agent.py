@@ -2,10 +2,11 @@
 
 It pulls generation work for its role (`puller.py`), runs it on its backend (`runner.py`), publishes phase and
 progress events on `events.<engine_id>` and `EngineStats` every second on `stats.<engine_id>`, switches role on
-`RoleSwitchCommand`s (request/reply on `cmd.<engine_id>`, epoch-fenced by `role_state.py`, drained by
-`switch_drain.py`; the ack is the reply and is also published on `ack.<engine_id>`), and serves the policy version
-the trainer made current (`weights.py`: read from the policy KV bucket before it pulls any work, watched after;
-drain or in-flight loads, pause/resume, abort by version, `WeightsStatus` for the trainer's barrier).
+`RoleSwitchCommand`s (request/reply on `cmd.<engine_id>`, epoch-fenced by `role_state.py`, run by `switch_drain.py`:
+in place, or drained and restarted where the new role's layout differs; the ack is the reply and is also published
+on `ack.<engine_id>`), and serves the policy version the trainer made current (`weights.py`: read from the policy KV
+bucket before it pulls any work, watched after; drain or in-flight loads, pause/resume, abort by version,
+`WeightsStatus` for the trainer's barrier).
 
 Roles: `prefill` takes GenerateRequests and hands their KV to the decode queue; `decode` takes DecodeHandoffs and
 streams tokens; `mixed` (colocation) takes GenerateRequests and decodes them itself, and takes handoffs when it has
@@ -54,7 +55,7 @@ from services.engine_agent.role_state import (
     on_switch_failed,
 )
 from services.engine_agent.runner import JobRunner
-from services.engine_agent.switch_drain import drain_for_switch, hand_off_all, wait_jobs
+from services.engine_agent.switch_drain import hand_off_all, run_switch, wait_jobs
 from services.engine_agent.weights import WeightsControl
 from services.engine_agent.weights_guard import DEFAULT_MAX_VERSION_JUMP
 from services.runtime.bus import BUS_ERRORS
@@ -277,6 +278,7 @@ class EngineAgent(Service):
             "max_model_len": self.backend.max_model_len,
             "starting": not self._serving,
             "rescued_messages": self.rescue.moved,
+            "returned_messages": self.puller.returned,  # fetched for a role it left (an in-place switch)
             "context_cache": {
                 "trajectories": len(self.contexts.cache),
                 "tokens": self.contexts.cache.tokens,
@@ -337,7 +339,7 @@ class EngineAgent(Service):
             while cmd is not None:
                 try:
                     async with self.reconfig_lock:
-                        migrated, drained = await drain_for_switch(self, cmd)
+                        migrated, drained = await run_switch(self, cmd)
                 except (BackendError, *BUS_ERRORS) as exc:  # the engine or the bus failed the switch
                     self.metrics.count_error("switch")
                     self.log.error("role_switch_failed", epoch=cmd.epoch, error=repr(exc))

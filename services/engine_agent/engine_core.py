@@ -20,15 +20,25 @@ Roles:
   `mixed_step_time_s` step carrying up to `mixed_chunk_tokens` per request (and per DP rank) of prefill plus the
   whole decode batch; with no prefill it jumps like a decode engine.
 
-KV: a running request reserves context + output tokens on admission (no preemption); a mixed engine admits a
-prompt only with a batch slot and KV room (FCFS), but an empty engine always admits (a request larger than the KV
-cache must run somewhere). Prefix cache: a prompt's hit is its trajectory's cached prefix (or its GRPO group's shared
-first prompt), at most `cacheable_tokens`, and the last prompt token is always recomputed (vLLM does). A prefill
-engine caches the prompt it computed; a mixed engine caches prompt + output once the turn is decoded; a decode
-engine's KV is never sent back.
+What a sequence does is its own, not the role's: a prompt prefilled for a decode elsewhere (`remote`: every prompt
+a prefill-role engine takes) hands its KV on; any other decodes here. The role decides what the engine pulls and
+how it schedules; what it steps is what it holds. An engine that switched role in place still holds work of its old
+role (`switch_rule.py`) and is mixed in effect until that is done: a prefill engine's steps (its prefill budget,
+as it schedules) carry the decodes it still holds along, one token each per step (`_plan_prefill_step`); a decode
+engine prefills the prompts it still holds the same way, its decodes riding along; a mixed engine keeps its
+chunked mixed steps.
 
-Switching: `state` is ACTIVE, DRAINING (no new prompts start; handoffs that arrive are forwarded) or RECONFIG (the
-engine does nothing). Who drains and when is the driver's (`prorsa.sim.engine_switching`, `switch_drain.py`).
+KV: a running request reserves context + output tokens on admission (no preemption); a prompt that decodes here is
+admitted only with a batch slot and KV room (FCFS), but an empty engine always admits (a request larger than the KV
+cache must run somewhere). Prefix cache: a prompt's hit is its trajectory's cached prefix (or its GRPO group's shared
+first prompt), at most `cacheable_tokens`, and the last prompt token is always recomputed (vLLM does). An engine
+caches the prompt it computed; one that prefills caches prompt + output once a turn is decoded here too; a decode
+engine's KV is never sent back. The cache lives in the KV that running work leaves free.
+
+Switching: `state` is ACTIVE, SWITCHING (in place: it steps what it holds and pulls nothing until the switch
+completes), DRAINING (before a restart: no new prompts start; handoffs that arrive are forwarded) or RECONFIG
+(restarting: the engine does nothing). Which and when is the driver's (`prorsa.sim.engine_switching`,
+`switch_drain.py`), by `switch_rule.py`.
 
 Speed: the simulator runs the step loop several times per turn, so it keeps running totals instead of re-summing
 (`_active_left`, `_ctx_base`, `_target_sum`), prices steps with `StepCost` (the perf model's fast path), and
@@ -52,7 +62,8 @@ from services.runtime.perf_model import ModelProfile
 from services.runtime.step_cost import step_cost
 from services.runtime.time_windows import spread
 
-ACTIVE, DRAINING, RECONFIG = 0, 1, 2  # engine states: serving its role, leaving it, reconfiguring
+# Engine states: serving its role; leaving it before a restart; restarting; switching in place (see the docstring).
+ACTIVE, DRAINING, RECONFIG, SWITCHING = 0, 1, 2, 3
 IDLE, PREFILL_STEP, MIXED_STEP, JUMP = 0, 1, 2, 3  # activities
 _RID_BITS = 48  # request ids below 2**48 (one per turn: ~10**14)
 _RID_MASK = (1 << _RID_BITS) - 1
@@ -251,9 +262,10 @@ class EngineCore:
         return self.state == ACTIVE and self.role != "decode"
 
     def prefill_load_s(self) -> float:
-        """Estimated seconds of prefill work ahead of a new prompt (+ a batch-fullness term for mixed)."""
+        """Estimated seconds of prefill work ahead of a new prompt, plus a batch-fullness term where its chunks
+        share steps with decodes (mixed, or holding both after an in-place switch)."""
         load = (self.queued_tokens + self._active_left) / self.p.prefill_tokens_per_s
-        if self.role == "mixed":
+        if self.seqs:
             load += len(self.seqs) / self.p.max_batch
         return load
 
@@ -301,12 +313,10 @@ class EngineCore:
         return not (self.seqs or self.arrivals or self.incoming or self.active or self.queue)
 
     def set_role(self, role: str) -> None:
-        """Serve `role` from now on (the driver has drained what the new role does not do). Roles switch without a
-        restart (one KV layout serves every role, as NixlConnector's kv_both does), so the prefix cache survives a
-        move between the roles that prefill; an engine that becomes decode-only gives its KV to handed-off
-        decodes, which have no use for it."""
-        if role == "decode":
-            self.cache.clear()
+        """Serve `role` from now on, in place: one KV layout serves every role (NixlConnector's kv_both), so what
+        the engine holds keeps running (see the module docstring) and its prefix cache survives; an engine that
+        now only decodes gives that cache up block by block as decodes take its KV. A restart's loss of the cache
+        is the driver's (`cache.clear()`)."""
         self.role = role
         self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
 
@@ -320,7 +330,9 @@ class EngineCore:
             self.activity == IDLE
             and self.role == "prefill"
             and self.state == ACTIVE
-            and not (self.queue or self.active or seq.cancelled or self._drop_pending or self.arrivals)
+            and seq.remote
+            and not (self.queue or self.active or self.seqs or self.arrivals)
+            and not (seq.cancelled or self._drop_pending)
         ):
             # Shortcut, the same step as queueing and then `_poke` → `_boundary` → `_plan_prefill_step` would
             # start: a lone prompt on an idle prefill engine (the common case of a tool-heavy workload), whose
@@ -349,14 +361,13 @@ class EngineCore:
         seq.engine = self
         seq.kv_tokens = kv = seq.context_tokens + seq.output_tokens
         self.kv_reserved += kv  # _reserve, inlined (once per turn)
-        if self.role == "mixed":
-            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
+        self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         self.incoming += 1
         return now + self._cost.kv_transfer_s(seq.context_tokens)
 
     def on_handoff_arrive(self, seq: CoreSeq, now: float) -> None:
         self.incoming -= 1
-        if seq.cancelled or self.state != ACTIVE:
+        if seq.cancelled or self.state == DRAINING or self.state == RECONFIG:
             self._reserve(-seq.kv_tokens)
             seq.engine = None
             if not seq.cancelled:  # draining: forward the KV to another decode engine
@@ -364,7 +375,7 @@ class EngineCore:
             self._poke(now)
             return
         self.arrivals.append(seq)
-        if self.activity == JUMP:  # _poke, inlined for the common case (state is ACTIVE here)
+        if self.activity == JUMP:  # _poke, inlined for the common case (not RECONFIG here)
             self._interrupt(now)
         elif self.activity == IDLE:
             self._boundary(now)
@@ -431,34 +442,47 @@ class EngineCore:
                 else:
                     self._join_batch(seq, now)
             self.arrivals.clear()
-        role, draining = self.role, self.state == DRAINING
+        role, state = self.role, self.state
+        draining = state == DRAINING
         if draining:
             self._drain(now)
-        elif role != "prefill" and (self.waiting_handoffs or not self.handoff_fetch_waiting):
-            self._pull_handoffs(now)
-        if (
-            role != "decode"
-            and not draining
-            and (self.waiting_prompts or self.own_prompts or not self.prompt_fetch_waiting)
-        ):
-            self._pull_prompts(now)
-        # Plan the next activity. With no prompt started or queued there are no chunks to take.
-        if role == "prefill":
-            if self.active or self.queue:
-                self._plan_prefill_step(now)
-        elif role == "mixed" and (self.active or self.queue) and self._plan_mixed_step(now):
-            pass  # a chunked-prefill step, which carries the decodes too
+        elif state != ACTIVE:
+            pass  # switching in place: it pulls nothing until the switch completes
+        else:
+            if role != "prefill" and (self.waiting_handoffs or not self.handoff_fetch_waiting):
+                self._pull_handoffs(now)
+            if role != "decode" and (
+                self.waiting_prompts or self.own_prompts or not self.prompt_fetch_waiting
+            ):
+                self._pull_prompts(now)
+        # Plan the next activity. With no prompt started or queued there are no chunks to take; a step that takes
+        # none (a prompt waits for KV room) leaves the decodes to jump.
+        if self.active or self.queue:
+            planned = self._plan_mixed_step(now) if role == "mixed" else self._plan_prefill_step(now)
+            if not planned and self.seqs:
+                self._plan_jump(now)
         elif self.seqs:
             self._plan_jump(now)
         if draining and self.activity == IDLE and self.drained():
             self._on_drained(now)
 
-    def _plan_prefill_step(self, now: float) -> None:
+    def _plan_prefill_step(self, now: float) -> bool:
+        """Start a prefill step if prompts can go in (False: nothing to chunk). Decodes the engine still holds
+        after an in-place switch ride along, one token each: the step costs its prefill compute plus their decode
+        step (the prefill step's own overhead is the decode step's, in one forward pass)."""
         p = self.p
         self._chunks = chunks = self._take_chunks(p.prefill_batch_tokens, p.prefill_batch_tokens, now)
-        if chunks:
-            priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in chunks]
-            self._schedule(PREFILL_STEP, now, self._cost.prefill_step_s(priced))
+        if not chunks:
+            return False
+        priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in chunks]
+        step_s = self._cost.prefill_step_s(priced)
+        batch = len(self.seqs)
+        if batch:
+            decode_s = self._cost.decode_step_s(batch, self._ctx_base + batch * self.steps_done)
+            self._schedule(MIXED_STEP, now, step_s - p.prefill_overhead_s + decode_s)
+        else:
+            self._schedule(PREFILL_STEP, now, step_s)
+        return True
 
     def _plan_mixed_step(self, now: float) -> bool:
         """Start a chunked-prefill step if prompts can go in; False: nothing to chunk (decode only)."""
@@ -493,13 +517,13 @@ class EngineCore:
             n = min(seq.to_compute_tokens - seq.computed_tokens, per_request, budget)
             chunks.append((seq, n))
             budget -= n
-        while budget > 0 and self.queue and self.state == ACTIVE:
+        while budget > 0 and self.queue and self.state != DRAINING:
             seq = self.queue[0]
             if seq.cancelled:
                 self.queue.popleft()
                 self.queued_tokens -= seq.est_tokens
                 continue
-            if self.role == "mixed" and not self.has_decode_room(seq.context_tokens + seq.output_tokens):
+            if not seq.remote and not self.has_decode_room(seq.context_tokens + seq.output_tokens):
                 break  # FCFS: wait for KV or a batch slot
             self.queue.popleft()
             self.queued_tokens -= seq.est_tokens
@@ -522,7 +546,7 @@ class EngineCore:
         self.active.append(seq)
         self._active_left += to_compute
         seq.started_s = now
-        if self.role == "mixed":
+        if not seq.remote:  # it decodes here: its KV is reserved from its prefill on
             seq.engine = self
             seq.kv_tokens = context + seq.output_tokens
             self._reserve(seq.kv_tokens)
@@ -592,17 +616,15 @@ class EngineCore:
             if seq.engine is self:
                 self._reserve(-seq.kv_tokens)
                 seq.engine = None
-            if self.role == "mixed":
+            if not seq.remote:
                 self.cache.insert(
                     seq.key, seq.context_tokens + seq.output_tokens, now, seq.group_key, seq.group_tokens
                 )
             self._on_finished(seq, now)
-        elif (
-            self.role == "prefill"
-            or seq.remote
-            or (self.state == DRAINING and self._hands_off_while_draining())  # leaving: decode elsewhere
+        elif seq.remote or (
+            self.state == DRAINING and self._hands_off_while_draining()  # leaving: decode elsewhere
         ):
-            if seq.engine is self:  # a mixed engine reserved its KV: the decode engine holds it now
+            if seq.engine is self:  # it reserved its KV to decode here: the decode engine holds it now
                 self._reserve(-seq.kv_tokens)
                 seq.engine = None
             self._hand_off(seq, now)
@@ -629,8 +651,7 @@ class EngineCore:
         self._ctx_base -= seq.context_tokens + 1 - seq.start_step
         self._target_sum -= seq.target_step
         self.kv_reserved -= seq.kv_tokens  # _reserve(-kv), inlined: once per turn
-        if self.role == "mixed":
-            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
+        self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         seq.engine = None
 
     def _forget_finishes(self) -> None:
@@ -702,6 +723,7 @@ class EngineCore:
         if self.observed:
             self._on_progress(now)
         heap, bound = self._finish_heap, (steps + 1) << _RID_BITS  # entries below `bound`: finished
+        role_caches = self.role != "decode"  # an engine that prefills keeps a finished turn for its next one
         while heap and heap[0] < bound:
             seq = seqs[heappop(heap) & _RID_MASK]
             self._leave_batch(seq)
@@ -709,7 +731,7 @@ class EngineCore:
                 if tally is not None:
                     tally.wasted_decoded_tokens += seq.output_tokens
                 continue
-            if self.role == "mixed":
+            if role_caches:
                 self.cache.insert(
                     seq.key, seq.context_tokens + seq.output_tokens, now, seq.group_key, seq.group_tokens
                 )
@@ -728,7 +750,6 @@ class EngineCore:
     # -- helpers ------------------------------------------------------------------------------------------------------
 
     def _reserve(self, tokens: int) -> None:
-        """Change reserved KV; a mixed engine's prefix cache lives in what running work leaves free."""
+        """Change reserved KV; the prefix cache lives in what running work leaves free."""
         self.kv_reserved += tokens
-        if self.role == "mixed":
-            self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
+        self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))

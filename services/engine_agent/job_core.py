@@ -96,12 +96,16 @@ class JobCore:
 
     @staticmethod
     def hand_on(job: Job, subjects: Subjects, to_prefill: bool = False) -> Publish:
-        """Where a stopped job's work goes: one that streamed tokens migrates as a request resuming after them;
-        one that streamed nothing is requeued unchanged — a handoff to the decode queue, unless its KV is gone
-        (`to_prefill`), else the request to the prefill queue."""
+        """Where a stopped job's work goes: one that streamed tokens migrates as a request resuming after them —
+        to the engine `job.hand_on_to` names (it holds the prefix) or the shared prefill queue; one that streamed
+        nothing is requeued unchanged — a handoff to the decode queue, unless its KV is gone (`to_prefill`), else
+        the request to the prefill queue."""
         if job.streamed_ids:
             moved = outputs.migrated_request(job)
-            return Publish(subjects.prefill_work_any, moved, outputs.hand_on_msg_id(job, moved), "migrated")
+            subject = (
+                subjects.prefill_work_for(job.hand_on_to) if job.hand_on_to else subjects.prefill_work_any
+            )
+            return Publish(subject, moved, outputs.hand_on_msg_id(job, moved), "migrated")
         msg_id = outputs.hand_on_msg_id(job, None)
         if job.handoff is not None and not to_prefill:
             return Publish(subjects.decode_work_any, job.handoff, msg_id, "requeued")

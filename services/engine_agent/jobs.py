@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proto import DecodeHandoff, GenerateRequest
-from services.engine_agent.role_state import JobKind
+from services.engine_agent.switch_rule import JobKind
 
 Phase = Literal["queued", "prefill", "decode", "done"]
 Outcome = Literal["", "finished", "handed_off", "migrated", "requeued", "failed", "retried"]
@@ -45,6 +45,9 @@ class Job:
     prefill_engine: str = ""
     phase: Phase = "queued"
     stop: bool = False  # asked to stop and hand the work on (role switch, shutdown)
+    # Where a migration goes: the engine holding the turn's prefix ("" = the shared prefill queue), set by a
+    # restarting engine's drain (switch_drain.py) before it stops the job.
+    hand_on_to: str = ""
     aborted: bool = False  # stopped by an AbortRequest: ends with finish_reason "abort" instead of handing on
     outcome: Outcome = ""
     reported_tokens: int = -1  # output count in the last TokenProgress

@@ -1,4 +1,5 @@
-"""How much work an engine may pull now, and which decodes a drain lets finish (pure: no I/O, no clock).
+"""How much work an engine may pull now (pure: no I/O, no clock). Which decodes a drain lets finish is
+`switch_rule.py`'s.
 
 (Not the allocator's capacity model, `services/allocator/capacity.py`: that one is the rates a policy plans with.)
 
@@ -18,8 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mypy_extensions import mypyc_attr
-
-from services.engine_agent.role_state import finishes_in_drain
 
 WorkKind = Literal["prefill", "decode"]  # the queue family: GenerateRequests or DecodeHandoffs
 
@@ -128,6 +127,11 @@ def decode_fetch(limits: EngineLimits, jobs: int, kv_reserved_tokens: int, est_k
     return max(0, min(slots, fit, limits.max_fetch))
 
 
+def takes(role: str, kind: WorkKind) -> bool:
+    """Whether an engine in `role` runs work of `kind` at all (a mixed engine runs both)."""
+    return role == "mixed" or (role == "prefill") == (kind == "prefill")
+
+
 def pull_size(
     role: str,
     kind: WorkKind,
@@ -149,20 +153,3 @@ def pull_size(
     if role in ("decode", "mixed"):
         return decode_pull_size(limits, held, est_kv_tokens)
     return 0
-
-
-@dataclass(frozen=True, slots=True)
-class DrainItem:
-    request_id: str
-    remaining_tokens: int  # output tokens it is still expected to generate
-    s_per_token: float  # its observed inter-token time (scaled seconds, like the drain timeout)
-
-
-def plan_drain(items: list[DrainItem], drain_timeout_s: float) -> tuple[list[str], list[str]]:
-    """Split decodes into (finish here, migrate): those expected to end within `drain_timeout_s` finish."""
-    finish: list[str] = []
-    migrate: list[str] = []
-    for it in items:
-        keep = finishes_in_drain(it.remaining_tokens, it.s_per_token, drain_timeout_s)
-        (finish if keep else migrate).append(it.request_id)
-    return finish, migrate

@@ -23,8 +23,11 @@ to the shared queue (`forward_addressed`), and its own-queue loop keeps forwardi
 client that read its stats before the switch), so none waits for the client's retry.
 
 Pausing. A role switch or a weight update pauses pulling; `wait_idle()` returns once no fetch is in flight, so no
-message of the old role can arrive after the switch decided what to drain. A fetch always runs to its end (never
-cancelled), so no pull request lingers on the server to deliver a message nobody reads.
+message of the old role can arrive after a restarting switch decided what to drain. An in-place switch does not
+wait: a fetch still in flight may deliver a message of a kind the new role does not run (a prompt to an engine now
+decoding), which goes straight back to its queue (`nak`, no delay) for an engine that runs it — or, addressed to
+this engine, to its own-queue loop, which forwards it. A fetch always runs to its end (never cancelled), so no
+pull request lingers on the server to deliver a message nobody reads.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from proto import DecodeHandoff, GenerateRequest, Subjects
 from services.engine_agent.measured_capacity import PreemptionGate, measured_held
-from services.engine_agent.pull_capacity import EngineLimits, PullConfig, WorkKind, pull_size
+from services.engine_agent.pull_capacity import EngineLimits, PullConfig, WorkKind, pull_size, takes
 from services.engine_agent.runner import JobRunner
 from services.runtime.bus import BUS_ERRORS, WORK_MAX_DELIVER
 
@@ -81,6 +84,7 @@ class WorkPuller:
         self._fetching = 0  # fetches in flight, over all loops
         self._last_decode_check = 0.0  # scaled monotonic seconds
         self.fetch_errors = 0
+        self.returned = 0  # messages given back: fetched for a role the engine left before they arrived
         self.preemption_gate = PreemptionGate()
 
     def subject(self, kind: WorkKind, own: bool) -> str:
@@ -160,10 +164,11 @@ class WorkPuller:
             if self._pause_reasons:
                 await self._resumed.wait()
                 continue
+            role = self.agent.role
             poll_s = self._poll_s(kind)
             # A decode engine never prefills, but a client that read its stats before a switch may still address
             # a prompt to it: forward whatever lands there to the shared queue at once (not at the client's retry).
-            forward = own and self.agent.role == "decode"
+            forward = own and role == "decode"
             if poll_s is None or (not forward and self._capacity(kind) <= 0):
                 await self._wait_for_room()
                 continue
@@ -171,7 +176,7 @@ class WorkPuller:
             self._idle.clear()
             try:
                 took = await (self._forward(poll_s) if forward else self._fetch(kind, own, 1, poll_s))
-                if took and kind == "decode" and self.agent.role == "mixed":
+                if took and kind == "decode" and role == "mixed":
                     self._last_decode_check = -math.inf  # handoffs are waiting: take the next one now
             except Exception as exc:
                 # Broad on purpose: `_fetch` handles the bus and bad input itself, so this is our bug, and a dead
@@ -252,6 +257,11 @@ class WorkPuller:
             work = await self.agent.receive(m, expected)
             if work is None:
                 continue  # bad input: answered and term()'d by Service.receive
+            if not takes(self.agent.role, kind):  # fetched before an in-place switch (module docstring)
+                self.returned += 1
+                with contextlib.suppress(*BUS_ERRORS):  # lost, the nak is an ack_wait's redelivery
+                    await m.nak()
+                continue
             await self.runner.admit(work, m)  # fails only by our bug: the loop's supervisor surfaces it
         return len(msgs)
 

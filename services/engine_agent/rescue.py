@@ -39,6 +39,8 @@ from proto import EngineStats, Message
 from services.engine_agent.puller import durable_name
 from services.runtime.bus import BUS_ERRORS
 
+PREFILL_ROLES = ("prefill", "mixed")
+
 
 @dataclass
 class PeerWatch:
@@ -48,9 +50,23 @@ class PeerWatch:
     dead_after_s: float = 3.0
     forget_after_s: float = 600.0  # a peer silent this long is forgotten (and no longer rescued)
     last_seen: dict[str, float] = field(default_factory=dict)
+    # What each peer's last stats said: (role, switching). A restarting engine moves a decode to the peer that
+    # holds its prefix only while that peer takes prompts (`takes_prompts`, switch_drain.py).
+    states: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
-    def observe(self, engine_id: str, now: float) -> None:
+    def observe(self, engine_id: str, now: float, role: str = "", switching: bool = False) -> None:
         self.last_seen[engine_id] = now
+        if role:
+            self.states[engine_id] = (role, switching)
+
+    def takes_prompts(self, engine_id: str, now: float) -> bool:
+        """Whether `engine_id` is alive (stats within `dead_after_s`), prefills (prefill or mixed role) and is not
+        switching, by its last stats — what a client checks before addressing a turn to an engine."""
+        seen = self.last_seen.get(engine_id)
+        role, switching = self.states.get(engine_id, ("", True))
+        return (
+            seen is not None and now - seen <= self.dead_after_s and role in PREFILL_ROLES and not switching
+        )
 
     def live(self, now: float) -> list[str]:
         alive = {e for e, t in self.last_seen.items() if now - t <= self.dead_after_s}
@@ -59,6 +75,7 @@ class PeerWatch:
     def dead(self, now: float) -> list[str]:
         for e in [e for e, t in self.last_seen.items() if now - t > self.forget_after_s]:
             del self.last_seen[e]
+            self.states.pop(e, None)
         return sorted(e for e, t in self.last_seen.items() if e != self.me and now - t > self.dead_after_s)
 
     def to_rescue(self, now: float) -> list[str]:
@@ -85,7 +102,11 @@ class AddressedRescue:
     async def on_stats(self, msg: Message, raw: Any) -> None:
         assert isinstance(msg, EngineStats)
         if raw.subject.rsplit(".", 1)[-1] == msg.engine_id:  # forged stats for another engine are ignored
-            self.watch.observe(msg.engine_id, self._mono())
+            self.watch.observe(msg.engine_id, self._mono(), msg.role, msg.switching)
+
+    def takes_prompts(self, engine_id: str) -> bool:
+        """`PeerWatch.takes_prompts` now."""
+        return self.watch.takes_prompts(engine_id, self._mono())
 
     async def run(self) -> None:
         while True:

@@ -19,13 +19,12 @@ them by epoch. The rules, applied by `on_command` in this order:
    is kept for replays, and the queued command (if any) starts. `on_switch_failed` completes it without changing
    the role (ack ok=False); the epoch is consumed all the same.
 
-A command for the role the engine already has still runs as a switch (a fence bump) with nothing to drain.
-Phases: `serving` → (`start`) `draining` → (`on_switch_done`) `serving` in the new role ("switched").
+A command for the role the engine already has still runs as a switch (a fence bump) with nothing to move.
+Phases: `serving` → (`start`) `draining` → (`on_switch_done`) `serving` in the new role ("switched"). The phase is
+named for the switch of old (`draining`); what a switch does to held work is `switch_rule.py`'s (in place, nothing
+drains).
 Invariants (property-tested): `applied_epoch <= newest_epoch`, both only increase, and stale or duplicate commands
 leave the state unchanged.
-
-`job_fate` and `finishes_in_drain` say what a held request does when its engine changes role: the one switch rule,
-which the agent's drain (`switch_drain.py`) and the simulator's engines (`prorsa.sim.engine_switching`) both run.
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ from proto import ROLES, RoleSwitchAck, RoleSwitchCommand
 
 Phase = Literal["serving", "draining"]
 DecisionKind = Literal["start", "queued", "wait", "replay", "stale", "rejected"]
-JobKind = Literal["prefill", "decode", "generate"]
-JobFate = Literal["finish", "drain"]
 # The allocator numbers commands cluster-wide, so a fresh engine's first epoch may be large; 2^32 commands is more
 # than any deployment issues, and far below proto.MAX_COUNTER (2^53 - 1).
 DEFAULT_MAX_EPOCH_JUMP = 2**32
@@ -192,23 +189,6 @@ def on_switch_failed(
         active_since_s=now if nxt is not None else 0.0,
     )
     return new, ack, nxt
-
-
-def job_fate(kind: JobKind) -> JobFate:
-    """What a held request does when its engine switches role: the engine drains to idle first, whatever the new
-    role, as production in-place role switches do (SGLang pull 28403, vLLM issue 56133: CALIBRATION.md). The
-    simulator's engines follow the same rule (`prorsa.sim.engine_switching`).
-
-    A prefill is short: it finishes ("finish the batch"). Anything that decodes here, or would after its prefill (a
-    decode handoff, a mixed-role request, prefilled or not), drains: it finishes if `finishes_in_drain`, else it
-    migrates (re-prefilled elsewhere, or handed on untouched if it has streamed nothing).
-    """
-    return "finish" if kind == "prefill" else "drain"
-
-
-def finishes_in_drain(remaining_tokens: int, s_per_token: float, drain_bound_s: float) -> bool:
-    """A draining engine keeps a decode expected to end within the drain bound, at its inter-token time."""
-    return max(0, remaining_tokens) * max(0.0, s_per_token) <= drain_bound_s
 
 
 def _stale_ack(state: RoleState, cmd: RoleSwitchCommand, now: float) -> RoleSwitchAck:

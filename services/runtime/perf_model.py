@@ -85,7 +85,12 @@ class ModelProfile:
     kv_transfer_local_bytes_per_token: float  # bytes per token of the last W tokens (local layers)
     kv_transfer_bytes_per_s: float  # engine-to-engine KV bandwidth
     kv_transfer_latency_s: float  # fixed cost of one handoff (connector handshake, first-token round trip)
-    role_switch_s: float  # reconfiguration once drained (draining itself is the simulator's business)
+    # A role switch in place (same layout: kv_both engines need no restart): seconds from the command until the
+    # engine pulls the new role's work; what it holds runs on meanwhile (services/engine_agent/switch_rule.py).
+    role_switch_s: float
+    # A restart: seconds an engine takes to start again (a switch to a role whose layout differs, once drained).
+    # The default stands in for profile files that predate the field (assumption: a GPU engine's restart).
+    engine_start_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -300,8 +305,13 @@ def kv_capacity_tokens(p: ModelProfile) -> int:
 
 
 def role_switch_time_s(p: ModelProfile) -> float:
-    """Seconds of reconfiguration once an engine has drained its old role's work."""
+    """Seconds an in-place role switch keeps an engine from pulling (its held work runs on)."""
     return p.role_switch_s
+
+
+def engine_start_time_s(p: ModelProfile) -> float:
+    """Seconds a restarted engine (a switch to another layout, once drained) takes to serve again."""
+    return p.engine_start_s
 
 
 def decode_tokens_per_s_nominal(

@@ -642,17 +642,20 @@ class ProrsaPolicy(AllocatorPolicy):
     def _switch_costs(self, view: ClusterView) -> _SwitchCosts:
         drain: dict[str, list[float]] = {}
         cache: dict[str, list[float]] = {}
+        restarts: dict[str, list[frozenset[str]]] = {}
         rate = self.capacity.prefill_tokens_per_s(DEFAULT_ISL_TOKENS)
         for role, members in engines_by_role(view).items():
-            acc_d, acc_c = [0.0], [0.0]
+            acc_d, acc_c, acc_r = [0.0], [0.0], [frozenset[str]()]
             for e in members:
                 d = self.capacity.drain_s(role, e.in_flight_tokens, e.decode_batch, e.kv_used_tokens, rate)
                 acc_d.append(max(acc_d[-1], min(d, self.drain_timeout_s)))
                 # A prefill or mixed engine's prefix cache, or the KV of decodes a decode engine migrates.
                 held = max(e.kv_used_tokens, e.prefix_cache_tokens) if role != "decode" else e.kv_used_tokens
                 acc_c.append(acc_c[-1] + held)
-            drain[role], cache[role] = acc_d, acc_c
-        return _SwitchCosts(drain, cache, self.capacity.profile.role_switch_s)
+                acc_r.append(acc_r[-1] | frozenset(e.restart_roles))
+            drain[role], cache[role], restarts[role] = acc_d, acc_c, acc_r
+        profile = self.capacity.profile
+        return _SwitchCosts(drain, cache, profile.role_switch_s, restarts, profile.engine_start_s)
 
     def candidates(self, n: int, prefill_demand: bool, decode_demand: bool) -> list[Split]:
         """Every plain split that keeps an engine for each role with demand, and full colocation."""
@@ -670,11 +673,19 @@ _STOPPED = TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, 0.0)
 
 @dataclass(frozen=True)
 class _SwitchCosts:
-    """What moving the k cheapest engines out of each role costs (prefix maxima / sums, index k)."""
+    """What moving the k cheapest engines out of each role costs (prefix maxima / sums / unions, index k).
+
+    A switch is in place unless a mover's layout differs for a role the move fills (`EngineView.restart_roles`;
+    services/engine_agent/switch_rule.py): in place, movers pull nothing for `switch_s` while the work they hold
+    runs on, and drain nothing; a restart drains them (capped at the drain timeout) and starts them again
+    (`restart_s`)."""
 
     drain_s: dict[str, list[float]]  # longest drain among the k movers (capped at the drain timeout)
     cache_tokens: dict[str, list[float]]  # prefix cache the k movers hold
-    switch_s: float  # reconfiguration once drained
+    switch_s: float  # an in-place switch: the profile's role_switch_s
+    # The roles any of the k movers restarts for (their layout differs).
+    restarts: dict[str, list[frozenset[str]]] = field(default_factory=dict)
+    restart_s: float = 0.0  # an engine start: the profile's engine_start_s
 
     def movers(self, current: Split, target: Split) -> dict[str, int]:
         return {r: max(0, current.of(r) - target.of(r)) for r in ("prefill", "decode", "mixed")}
@@ -684,9 +695,17 @@ class _SwitchCosts:
         out = self.movers(current, target)
         if not any(out.values()):
             return 0.0, target
-        drain = max(self.drain_s[r][min(k, len(self.drain_s[r]) - 1)] for r, k in out.items())
         stay = Split(*(min(current.of(r), target.of(r)) for r in ("prefill", "decode", "mixed")))
-        return self.switch_s + drain, stay
+        filled = {r for r in ("prefill", "decode", "mixed") if target.of(r) > current.of(r)}
+        restart = any(
+            self.restarts[r][min(k, len(self.restarts[r]) - 1)] & filled
+            for r, k in out.items()
+            if k and r in self.restarts
+        )
+        if not restart:
+            return self.switch_s, stay
+        drain = max(self.drain_s[r][min(k, len(self.drain_s[r]) - 1)] for r, k in out.items())
+        return self.restart_s + drain, stay
 
     def recompute_s(self, current: Split, target: Split, cap: CapacityModel, shape: TurnShape) -> float:
         """Seconds the target's prefill engines spend recomputing what a move loses: decodes migrated off decode

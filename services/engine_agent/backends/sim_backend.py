@@ -42,7 +42,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from proto import DecodeHandoff, GenerateRequest, SamplingParams
+from proto import ROLES, DecodeHandoff, GenerateRequest, SamplingParams
 from services.engine_agent.backend import (
     BackendError,
     BackendStats,
@@ -183,9 +183,12 @@ class SimBackend:
         kv_ttl_s: float = DEFAULT_KV_TTL_S,
         weight_update_s: float | None = None,
         clock: Clock | None = None,
+        restart_roles: tuple[str, ...] = (),
     ) -> None:
         """`speedup`: virtual seconds per wall second (None: see `resolve_speedup`). `clock`: the scaled clock
-        (None: $PRORSA_TIME_SCALE's, read now; unset, it sets no speed-up). Raises ValueError on bad values."""
+        (None: $PRORSA_TIME_SCALE's, read now; unset, it sets no speed-up). `restart_roles`: roles modelled as
+        another engine layout, a switch to which restarts the engine (`set_role`; a live vLLM engine's come from
+        `--role-engine-arg`). Raises ValueError on bad values."""
         if clock is None:
             scale = scale_from_env()  # None: no scale chosen, the default speed-up applies
             clock = Clock(1.0 if scale is None else scale)
@@ -196,6 +199,10 @@ class SimBackend:
             raise ValueError(f"speedup must be > 0, got {speedup}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        unknown = [r for r in restart_roles if r not in ROLES]
+        if unknown:
+            raise ValueError(f"restart_roles: unknown role(s) {unknown}; expected some of {ROLES}")
+        self.restart_roles = tuple(restart_roles)
         self.profile = profile
         self.engine_id = engine_id
         self.clock = clock
@@ -321,6 +328,7 @@ class SimBackend:
             kv_capacity_tokens=self.profile.kv_capacity_tokens,
             max_batch=self.profile.max_batch,
             prefix_cache_tokens=core.cache.used_tokens,
+            restart_roles=self.restart_roles,
         )
 
     def expected_output_tokens(self, request: GenerateRequest) -> int:
@@ -367,9 +375,17 @@ class SimBackend:
         return bool(self._pause_reasons)
 
     async def set_role(self, role: str) -> None:
-        await self._sleep_modelled(pm.role_switch_time_s(self.profile))
+        """In place, the profile's `role_switch_s` (what the engine holds runs on meanwhile, then the core serves
+        the new role with it); a restart into another layout (`restart_roles`, called drained), its
+        `engine_start_s` and an empty prefix cache."""
+        restart = role in self.restart_roles
+        await self._sleep_modelled(
+            pm.engine_start_time_s(self.profile) if restart else pm.role_switch_time_s(self.profile)
+        )
         self._sync()
         self.core.set_role(role)
+        if restart:
+            self.core.cache.clear()
         self._wake.set()
 
     # -- driving the core ----------------------------------------------------------------------------------------
