@@ -312,6 +312,24 @@ def test_a_colocated_start_that_every_guess_condemns_is_left_before_the_sample_s
     assert make_policy("prorsa:escape=0", 8, profile="deepseek-v3.2").decide(first_prompts(512)) is None
 
 
+def test_an_escape_under_way_is_carried_through_the_hybrids_on_the_way() -> None:
+    """The coordinator moves a quarter of the fleet per plan; on the way (2 prefill engines beside 6 mixed) the
+    policy keeps sending the escape's target until it stands, whatever the window's scores say of the hybrid."""
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    plan = policy.decide(first_prompts(512))
+    assert plan is not None and policy._escaping is not None
+    target = policy._escaping
+    roles = ["mixed"] * 8
+    for eid in sorted(plan.roles)[:2]:  # the coordinator applied two of the moves
+        roles[int(eid[1:])] = plan.roles[eid]
+    hybrid = dataclasses.replace(first_prompts(512), engines=tuple(engine(i, r) for i, r in enumerate(roles)))
+    again = policy.decide(dataclasses.replace(hybrid, now=10.0))
+    assert again is not None and "under way" in again.reason
+    for eid, role in again.roles.items():
+        roles[int(eid[1:])] = role
+    assert Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed")) == target
+
+
 def test_no_escape_where_a_default_turn_does_not_condemn_colocation() -> None:
     """qwen3-235b has no DP attention: at 16 trajectories an engine the default turn does not put a split
     beyond the prior error, so a start is not left on the first window's guess."""

@@ -268,23 +268,32 @@ class ProrsaPolicy(AllocatorPolicy):
             if so_far is None or so_far[0] < n_live or abs(math.log(so_far[1])) <= self.margin:
                 return None
             self._step_held = False
+        sample_stands = self._turns_finished >= n_live and self._turns_seen >= 3 * n_live
+        if self._escaping is not None and not sample_stands:
+            # An escape, once chosen, is carried through: the coordinator moves a quarter of the fleet per plan, and
+            # the hybrids on the way are neither colocation nor the split (at 1,024 trajectories on deepseek-v3.2 one
+            # held 2 prefill engines beside 6 mixed for 35 s, its score read against colocation's).
+            if current == self._escaping:
+                return None
+            return Plan(
+                roles=moves_for_split(view, self._escaping),
+                reason=f"{self.name}: {current} -> {self._escaping}, leaving a colocated start (under way)",
+            )
         if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
             return None
-        if self._turns_finished < n_live or self._turns_seen < 3 * n_live:
+        if not sample_stands:
             # Until about one turn per live trajectory has finished and the first prompts are at most a third of the
             # turns seen since the population formed, the mean turn is whichever turns came first (a step's first
             # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess — unless
             # it is the escape from a colocated start that a default turn agrees with (`_escape`).
-            escape = self._escaping  # an escape under way: the coordinator moves a few engines per plan
-            if escape is None or escape == current:
-                escape = self._escaping = (
-                    self._escape(current, current_j, scored, scenarios, horizon, switch, error)
-                    if self.escape
-                    else None
-                )
+            escape = (
+                self._escape(current, current_j, scored, scenarios, horizon, switch, error)
+                if self.escape
+                else None
+            )
             if escape is None:
                 return None
-            best = escape
+            self._escaping = best = escape
             reason = (
                 f"{self.name}: {current} -> {best}, projected {current_j:.2f} -> {scored[best]:.2f} s per turn "
                 f"(N={n_live:.0f}, H={horizon:.0f} s; before the turn sample stands: a default turn agrees)"
