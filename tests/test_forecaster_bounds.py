@@ -137,7 +137,8 @@ class _Run:
             self.core.refit(self.t)
 
 
-def _check(run: _Run) -> None:
+def _check(run: _Run) -> int:
+    """Assert every quantile of the forecast issued now is in range; return the horizons it checked."""
     core, t = run.core, run.t
     fc = core.forecast(t)
     bound = core.predictor.bound(t, H)
@@ -154,6 +155,7 @@ def _check(run: _Run) -> None:
         # (with the margin).
         assert hf.decode_concurrency.q90 <= 2 * run.started
         assert hf.decode_tokens.q90 <= 2 * run.started * rate * h * (1 + 1e-9)
+    return len(fc.horizons)
 
 
 @pytest.mark.parametrize("predictor", ["naive", "ewma", "lifecycle", "ensemble"])
@@ -169,7 +171,8 @@ def test_every_quantile_stays_in_the_physical_range(
     for kind, length, level in segs:
         for k in range(length):
             run.window(kind, level, k == 0)
-            _check(run)  # the assertions: 0 <= q10 <= q50 <= q90 <= the bound, for every issued forecast
+            # 0 <= q10 <= q50 <= q90 <= the bound (in `_check`), on every horizon of every issued forecast
+            assert _check(run) == len(H)
 
 
 @settings(max_examples=60, deadline=None)

@@ -217,8 +217,10 @@ class _FailingLlm:
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
+        self.aborted: list[str] = []  # the request ids abort was asked for
 
     async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
         raise self.exc
 
     async def pause_generation(self, **kw: object) -> None:
@@ -258,6 +260,7 @@ async def test_abort_on_a_dead_engine_is_a_no_op(without_vllm: None) -> None:
     dead = _FailingLlm(RuntimeError("engine core died"))
     dead.errored = True  # as AsyncLLM says once its engine core process is gone
     engine._llm = dead
-    # The assertion is that this returns: nothing is left to abort, and an exception here would stop the agent's
-    # hand-on of its jobs.
+    # It returns (an exception here would stop the agent's hand-on of its jobs) without asking the dead engine:
+    # nothing is left to abort.
     await engine.abort("r")
+    assert dead.aborted == []
