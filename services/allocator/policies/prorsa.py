@@ -178,9 +178,10 @@ class ProrsaPolicy(AllocatorPolicy):
         settling = self._settling(view)
         if settling:
             # The queue a move makes (the movers' drained prompts, the trajectories whose cache it dropped) is the
-            # move's price, already paid: judged as the split's steady state it put the model on its congested
-            # branch, and the policy undid every move from 6:2 to 5:3 at 512 trajectories on deepseek-v3.2 within
-            # 15-25 s, before the recomputes were through (and paid the cache loss again on the way back).
+            # move's price, already paid: read again as the state the move reached (a stock to work off, or, with
+            # the model's earlier unbounded placement term, its congested branch) it undid every move from 6:2 to
+            # 5:3 at 512 trajectories on deepseek-v3.2 within 15-25 s, before the recomputes were through (and paid
+            # the cache loss again on the way back).
             self._queued = self._queued_tokens = 0.0
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
@@ -298,7 +299,6 @@ class ProrsaPolicy(AllocatorPolicy):
                 f"{self.name}: {current} -> {best}, projected {current_j:.2f} -> {scored[best]:.2f} s per turn "
                 f"(N={n_live:.0f}, H={horizon:.0f} s; before the turn sample stands: a default turn agrees)"
             )
-            evaluate(best)
         # Robust: the move must also win in each scenario the forecast allows, not only on average.
         if any(b > c for b, c in zip(per_scenario[best], per_scenario[current], strict=True)):
             return None
