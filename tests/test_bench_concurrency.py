@@ -40,3 +40,15 @@ def test_a_small_cell_runs_through_the_pool_and_is_summarised() -> None:
     ratios = [e["targets"]["prorsa_vs_best_baseline"] for e in out]
     assert math.isclose(rows[0]["prorsa_vs_best_base_geomean"], math.sqrt(ratios[0] * ratios[1]))
     assert rows[0]["prorsa_vs_oracle_geomean"] is None and "| 4 | 2 |" in summary_markdown(rows)
+
+
+def test_cells_run_with_a_host_kv_tier_report_their_hit_rate_by_tier() -> None:
+    cells = [
+        Cell("profile:general", "qwen3-235b", "on-policy", 48, 1)
+    ]  # more context than one engine's GPUs hold
+    plain = run(cells, ("colocated",), 1, 0, 1, 0, lambda _: None, lambda _: None)
+    tiered = run(cells, ("colocated",), 1, 0, 1, 0, lambda _: None, lambda _: None, host_kv_ratio=2.0)
+    (row,), (tiered_row,) = plain[0]["results"], tiered[0]["results"]
+    assert "prefix_cache_hit_rate_by_tier" not in row
+    assert tiered_row["prefix_cache_hit_rate_by_tier"]["host"] > 0
+    assert tiered_row["prefix_cache_hit_rate"] > row["prefix_cache_hit_rate"]

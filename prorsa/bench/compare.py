@@ -111,8 +111,10 @@ def _run(config: SimConfig) -> dict[str, Any]:
 
 
 def _figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The row of one simulation: RESULT_KEYS, plus `switches` (the name the bench JSON promises)."""
-    return {**{k: result[k] for k in RESULT_KEYS}, "switches": result["role_switches"]}
+    """The row of one simulation: RESULT_KEYS, plus `switches` (the name the bench JSON promises), plus the hit
+    rate by tier where the engines have a host KV tier."""
+    tiers = {k: result[k] for k in ("prefix_cache_hit_rate_by_tier",) if k in result}
+    return {**{k: result[k] for k in RESULT_KEYS}, "switches": result["role_switches"], **tiers}
 
 
 def speedups(rows: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -103,12 +103,14 @@ def run(
     oracle_up_to: int,
     progress: Callable[[str], None],
     on_cell: Callable[[dict[str, Any]], None],
+    host_kv_ratio: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Every (cell, simulation) through one process pool; `on_cell` hears each cell's entry once it is whole
-    (cells in the order they complete; the result lists them in the order asked)."""
+    (cells in the order they complete; the result lists them in the order asked). `host_kv_ratio`: the engines'
+    host KV tier (`SimConfig.host_kv_ratio`; 0 = none)."""
     plans: list[tuple[Cell, SimConfig, tuple[str, ...], list[str]]] = []
     for cell in cells:
-        base = cell_config(cell, steps, 8, seed)
+        base = _with_host_kv(cell_config(cell, steps, 8, seed), host_kv_ratio)
         mine = tuple(p for p in policies if p != "oracle" or cell.batch_size <= oracle_up_to)
         plans.append((cell, base, mine, expand_policies(list(mine), base.engines)))
     total = sum(len(p[3]) for p in plans)
@@ -151,6 +153,12 @@ def _with_policy(base: SimConfig, spec: str) -> SimConfig:
     return dataclasses.replace(base, policy=spec)
 
 
+def _with_host_kv(base: SimConfig, ratio: float) -> SimConfig:
+    import dataclasses
+
+    return dataclasses.replace(base, host_kv_ratio=ratio) if ratio else base
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prorsa.bench.concurrency", description=__doc__)
     parser.add_argument(
@@ -180,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot-dir", default=None, help="one role-timeline plot per cell here (default: none)"
     )
+    parser.add_argument(
+        "--host-kv-ratio",
+        type=float,
+        default=0.0,
+        metavar="RATIO",
+        help="engines get a host-memory KV tier of RATIO x their device KV (SGLang's --hicache-ratio, 2 by "
+        "default there; services.runtime.host_kv); 0 = none (default: %(default)s)",
+    )
     parser.add_argument("--list", action="store_true", help="print the cell names and exit")
     args = parser.parse_args(argv)
     cells = select_cells(all_cells(), args.cells)
@@ -191,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     policies = tuple(p for p in args.policies.split(",") if p and not (args.no_oracle and p == "oracle"))
     out: dict[str, Any] = {
-        "options": {"steps": args.steps, "seed": args.seed, "policies": policies, "sizes": SIZES},
+        "options": {"steps": args.steps, "seed": args.seed, "policies": policies, "sizes": SIZES}
+        | ({"host_kv_ratio": args.host_kv_ratio} if args.host_kv_ratio else {}),
         "cells": [],
     }
 
@@ -216,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         args.oracle_up_to,
         lambda m: print(m, flush=True),
         on_cell,
+        args.host_kv_ratio,
     )  # in the order asked (`on_cell` heard them as they completed)
     out["summary"] = summary(out["cells"])
     if args.json_path:

@@ -136,6 +136,7 @@ def cell_entry(
         {k: r[k] for k in ("policy", "avg_trajectory_s", "p99_trajectory_s", "rollout_s", "switches")}
         | ({"chosen": r["chosen"]} if "chosen" in r else {})
         | ({"prefix_cache_hit_rate": r["prefix_cache_hit_rate"]} if "prefix_cache_hit_rate" in r else {})
+        | {k: r[k] for k in ("prefix_cache_hit_rate_by_tier",) if k in r}  # with a host KV tier only
         for r in rows
         if "error" not in r
     ]

@@ -20,7 +20,6 @@ from typing import Any
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, run_simulation, simulate
 from prorsa.sim.truth_feed import MAX_PASSES, DemandRecord, _PassFeed, first_pass
 from services.allocator.registry import make_policy
-from services.runtime.model_profiles import load_profile
 
 TRUTH = "truth"
 
@@ -41,7 +40,7 @@ def predictor_value(
     `capture_*`. Raises ValueError when `policy` reads no forecast (nothing to compare), and what
     `run_simulation` raises on a bad configuration."""
     base = dataclasses.replace(config, policy=policy, observer=None, workload=_load_workload(config))
-    profile = load_profile(base.profile)
+    profile = base.model_profile()
     naive_run, record = first_pass(dataclasses.replace(base, forecaster="naive"))
     rows: dict[str, dict[str, Any]] = {"naive": _figures(naive_run)}
     for name in predictors:

@@ -50,6 +50,15 @@ def add_run_arguments(
         help="demand predictor fed to policies that plan on forecasts (prorsa): naive, ewma, ets, arima, "
         "lifecycle, prorsa, or truth (the true future demand, run as passes: prorsa.sim.truth_feed)",
     )
+    parser.add_argument(
+        "--host-kv-ratio",
+        type=float,
+        default=0.0,
+        metavar="RATIO",
+        help="give each engine a host-memory KV tier of RATIO x its device KV, reloaded over PCIe instead of "
+        "recomputed (SGLang's --hicache-ratio; 2 is HiCache's default; services.runtime.host_kv); "
+        "0 = none (default: %(default)s)",
+    )
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         group_size=args.group_size,
         drain_bound_s=args.drain_bound_s,
         forecaster=args.forecaster,
+        host_kv_ratio=args.host_kv_ratio,
     )
 
 
@@ -111,6 +121,10 @@ def result_table(result: SimResult, data: dict[str, Any]) -> Table:
         ("rollout (s)", data["rollout_s"]),
         ("output tokens/s", data["tokens_per_s"]),
         ("prefix-cache hit rate", data["prefix_cache_hit_rate"]),
+        *[
+            (f"  of it from {tier}", rate)
+            for tier, rate in data.get("prefix_cache_hit_rate_by_tier", {}).items()
+        ],
         ("role switches", data["role_switches"]),
         ("migrations", data["migrations"]),
         ("trajectories aborted", data["trajectories_aborted"]),

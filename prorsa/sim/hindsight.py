@@ -155,9 +155,8 @@ def run_hindsight(config: SimConfig) -> SimResult:
     from prorsa.sim.core import Simulation
     from prorsa.sim.runner import SimResult, _load_workload
     from services.allocator.registry import make_policy
-    from services.runtime.model_profiles import load_profile
 
-    profile = load_profile(config.profile)
+    profile = config.model_profile()
     spec = make_policy(config.policy, config.engines, profile=profile)
     workload = _load_workload(config)
     oracle = HindsightOracle(interval_s=spec.interval_s, lookahead_s=getattr(spec, "lookahead_s", 60.0))

@@ -118,7 +118,8 @@ class Metrics:
         # Token accounting (conservation: computed + hits == prompt tokens of finished prefills).
         self.prompt_tokens = 0  # whole prompts of first-time prefills (not migrations)
         self.prefill_computed_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens = 0  # every tier's
+        self.host_hit_tokens = 0  # of them, reloaded from the host KV tier (`ModelProfile.host_kv_tokens`)
         self.migration_recompute_tokens = 0  # re-prefill of migrated decodes (computed)
         self.migration_hit_tokens = 0
         self.wasted_prefill_tokens = 0  # computed for requests of aborted trajectories

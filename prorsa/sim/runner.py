@@ -18,6 +18,7 @@ from services.allocator.registry import make_policy
 from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
 from services.engine_agent.engine_core import DEFAULT_MAX_MODEL_LEN
 from services.runtime import perf_model as pm
+from services.runtime.host_kv import with_host_kv
 from services.runtime.model_profiles import load_profile
 
 
@@ -52,6 +53,9 @@ class SimConfig:
     # the engine (drain, the profile's `engine_start_s`, an empty cache); every other switch is in place
     # (`services.engine_agent.switch_rule`). None by default, as with kv_both engines of one layout.
     restart_roles: tuple[str, ...] = ()
+    # The engines' host-memory KV tier as a multiple of their device KV (SGLang's `--hicache-ratio`; 0 = none, the
+    # default: `services.runtime.host_kv`).
+    host_kv_ratio: float = 0.0
     observer: SimObserver | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,8 +75,15 @@ class SimConfig:
         if unknown:
             raise ValueError(f"restart_roles: unknown role(s) {', '.join(unknown)}; expected some of {ROLES}")
         self.restart_roles = tuple(self.restart_roles)
+        if self.host_kv_ratio != 0 and not self.host_kv_ratio > 1:
+            raise ValueError(f"host_kv_ratio must be 0 (no host tier) or > 1, got {self.host_kv_ratio}")
         if self.steps is None and self.duration_s is None:
             self.steps = 1
+
+    def model_profile(self) -> pm.ModelProfile:
+        """The engines' profile: `profile` loaded, with the host KV tier `host_kv_ratio` asks for. Raises ValueError
+        for an unknown profile or one that cannot have the tier."""
+        return with_host_kv(load_profile(self.profile), self.host_kv_ratio)
 
     def echo(self) -> dict[str, Any]:
         """The configuration as JSON-ready values (the workload by name when it is an object)."""
@@ -97,6 +108,7 @@ class SimConfig:
             "forecaster": self.forecaster,
             # Only when set: a plain run's JSON keeps its shape.
             **({"restart_roles": list(self.restart_roles)} if self.restart_roles else {}),
+            **({"host_kv_ratio": self.host_kv_ratio} if self.host_kv_ratio else {}),
         }
 
 
@@ -170,6 +182,18 @@ class SimResult:
             "trajectory_s_buckets": [list(b) for b in m.completion.buckets()],
         }
 
+    def _host_tier(self) -> dict[str, Any]:
+        """The hit rate by tier, with a host KV tier only (a plain run's JSON keeps its shape): prompt tokens found
+        on the GPUs and reloaded from host memory, over all prompt tokens."""
+        m = self.sim.metrics
+        if not self.sim.profile.host_kv_tokens:
+            return {}
+        prompt = m.prompt_tokens or 1
+        device = m.prefix_hit_tokens - m.host_hit_tokens
+        return {
+            "prefix_cache_hit_rate_by_tier": {"device": device / prompt, "host": m.host_hit_tokens / prompt}
+        }
+
     def to_json(self, timelines: bool = False) -> dict[str, Any]:
         """The result as JSON-ready values; `timelines=True` adds the report's `timelines` section (off by
         default: the simulator's JSON stays what `prorsa.bench.sim_identity` compares)."""
@@ -185,6 +209,7 @@ class SimResult:
             "utilisation": m.utilisation(),
             "role_switches": m.role_switches,
             "prefix_cache_hit_rate": m.prefix_hit_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
+            **self._host_tier(),
             "trajectories_completed": m.trajectories_completed,
             "trajectories_expected": d.expected,
             "trajectories_aborted": m.trajectories_aborted,
@@ -230,7 +255,7 @@ def run_simulation(config: SimConfig) -> SimResult:
     A policy that reads forecasts gets the live forecast feed (`prorsa.sim.forecast_feed`, predictor
     `config.forecaster`; `truth`: the true future demand, `prorsa.sim.truth_feed`); `oracle` is the hindsight search
     (`prorsa.sim.hindsight`)."""
-    profile = load_profile(config.profile)
+    profile = config.model_profile()
     policy = make_policy(config.policy, config.engines, profile=profile)
     if policy.name == "oracle":
         from prorsa.sim.hindsight import run_hindsight  # imported late: it imports this module

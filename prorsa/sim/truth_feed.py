@@ -36,7 +36,6 @@ from prorsa.sim.runner import SimConfig, SimResult, _load_workload, simulate
 from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles
 from services.allocator.registry import make_policy
 from services.forecaster.series import HORIZONS_S
-from services.runtime.model_profiles import load_profile
 
 if TYPE_CHECKING:
     from prorsa.sim.engine import SimEngine
@@ -192,7 +191,7 @@ FIRST_PASS_FORECASTER = "lifecycle"
 def first_pass(config: SimConfig) -> tuple[SimResult, DemandRecord]:
     """Pass 1: `config` with its live forecast feed, recorded. The recording only watches, so the result is
     exactly `run_simulation(config)`'s."""
-    profile = load_profile(config.profile)
+    profile = config.model_profile()
     policy = make_policy(config.policy, config.engines, profile=profile)
     if not policy.uses_forecast:
         raise ValueError(f"a truth-fed run needs a forecasting policy, not {config.policy!r}")
@@ -205,7 +204,7 @@ def run_truth_fed(config: SimConfig) -> SimResult:
     """Run `config` (a forecasting policy, `forecaster="truth"`) as the module header's passes; returns the best
     truth-fed pass, with every pass's figures under the JSON key `truth_passes`. Raises what `run_simulation`
     raises on a bad configuration."""
-    profile = load_profile(config.profile)
+    profile = config.model_profile()
     workload = _load_workload(config)
     spec = config.policy
     quiet = dataclasses.replace(config, observer=None, forecaster=FIRST_PASS_FORECASTER)

@@ -33,7 +33,10 @@ admitted only with a batch slot and KV room (FCFS), but an empty engine always a
 cache must run somewhere). Prefix cache: a prompt's hit is its trajectory's cached prefix (or its GRPO group's shared
 first prompt), at most `cacheable_tokens`, and the last prompt token is always recomputed (vLLM does). An engine
 caches the prompt it computed; one that prefills caches prompt + output once a turn is decoded here too; a decode
-engine's KV is never sent back. The cache lives in the KV that running work leaves free.
+engine's KV is never sent back. The cache lives in the KV that running work leaves free. With a host KV tier
+(`ModelProfile.host_kv_tokens`; `PrefixCache`'s host tier) a prompt's hit extends to what host memory holds beyond
+the device hit: those `reload_tokens` are loaded, not computed, during the first step of its prefill, which lasts
+the longer of its compute and the load (`perf_model.host_reload_step_s`: HiCache's layer-wise overlap).
 
 Switching: `state` is ACTIVE, SWITCHING (in place: it steps what it holds and pulls nothing until the switch
 completes), DRAINING (before a restart: no new prompts start; handoffs that arrive are forwarded) or RECONFIG
@@ -58,6 +61,7 @@ from typing import Protocol
 from mypy_extensions import mypyc_attr
 
 from services.engine_agent.prefix_cache import PrefixCache
+from services.runtime import perf_model as pm
 from services.runtime.perf_model import ModelProfile
 from services.runtime.step_cost import step_cost
 from services.runtime.time_windows import spread
@@ -82,7 +86,8 @@ class StepTally(Protocol):
     decode_row: list[float]  # output tokens produced
     prefill_starts: int
     prompt_tokens: int  # whole prompts of first prefills (not migrations)
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # every tier's
+    host_hit_tokens: int  # of them, those reloaded from the host KV tier
     migration_hit_tokens: int
     prefill_computed_tokens: int
     migration_recompute_tokens: int
@@ -101,7 +106,7 @@ class CoreSeq:
     __slots__ = tuple(
         "rid key group_key group_tokens cacheable_tokens context_tokens output_tokens migrated"  # noqa: SIM905
         " cancelled hit_tokens to_compute_tokens computed_tokens est_tokens engine kv_tokens"
-        " start_step target_step remote started_s".split()
+        " start_step target_step remote started_s reload_tokens".split()
     )
 
     def __init__(
@@ -130,7 +135,8 @@ class CoreSeq:
             remote  # prefilled for a decode elsewhere, whatever this engine's role (a prefill engine's are)
         )
         # Prefill progress (set when an engine starts it).
-        self.hit_tokens = 0  # prefix-cache hit at prefill start
+        self.hit_tokens = 0  # prefix-cache hit at prefill start (every tier)
+        self.reload_tokens = 0  # of it, tokens loaded from the host KV tier before its first chunk
         self.to_compute_tokens = 0  # context - hit
         self.computed_tokens = 0  # computed so far (chunked prefill)
         self.est_tokens = 0  # uncached tokens estimated while queued
@@ -162,7 +168,7 @@ class EngineCore:
         self.p = profile
         self.role = role
         self.state = ACTIVE
-        self.cache = PrefixCache(profile.kv_capacity_tokens)
+        self.cache = PrefixCache(profile.kv_capacity_tokens, profile.host_kv_tokens)
         # Role → seconds busy (the simulator shares one dict among engines).
         self.busy_s: dict[str, float] = defaultdict(float)
         self.wake_s: float | None = None  # when the activity in progress ends (None: idle)
@@ -326,6 +332,8 @@ class EngineCore:
         """Queue a prompt here."""
         hit = self._lookup(seq)
         seq.est_tokens = seq.context_tokens - hit
+        if self.cache.host is not None:  # a reload is not prefill work
+            seq.est_tokens -= self._host_extra(seq, hit)
         if (
             self.activity == IDLE
             and self.role == "prefill"
@@ -343,7 +351,10 @@ class EngineCore:
             if n > p.prefill_batch_tokens:
                 n = p.prefill_batch_tokens
             self._chunks = [(seq, n)]
-            self._schedule(PREFILL_STEP, now, self._cost.prefill_step_s(((n, seq.hit_tokens),)))
+            step_s = self._cost.prefill_step_s(((n, seq.hit_tokens),))
+            if seq.reload_tokens:
+                step_s = self._with_reloads(step_s)
+            self._schedule(PREFILL_STEP, now, step_s)
             return
         self.queue.append(seq)
         self.queued_tokens += seq.est_tokens
@@ -351,7 +362,10 @@ class EngineCore:
 
     def take_prompt(self, seq: CoreSeq) -> None:
         """Queue a prompt pulled at a step boundary (`_pull_prompts`): the boundary plans next, so no poke."""
-        seq.est_tokens = seq.context_tokens - self._lookup(seq)
+        hit = self._lookup(seq)
+        seq.est_tokens = seq.context_tokens - hit
+        if self.cache.host is not None:  # a reload is not prefill work
+            seq.est_tokens -= self._host_extra(seq, hit)
         self.queue.append(seq)
         self.queued_tokens += seq.est_tokens
 
@@ -479,9 +493,10 @@ class EngineCore:
         batch = len(self.seqs)
         if batch:
             decode_s = self._cost.decode_step_s(batch, self._ctx_base + batch * self.steps_done)
-            self._schedule(MIXED_STEP, now, step_s - p.prefill_overhead_s + decode_s)
-        else:
-            self._schedule(PREFILL_STEP, now, step_s)
+            step_s = step_s - p.prefill_overhead_s + decode_s
+        if self.cache.host is not None:
+            step_s = self._with_reloads(step_s)
+        self._schedule(MIXED_STEP if batch else PREFILL_STEP, now, step_s)
         return True
 
     def _plan_mixed_step(self, now: float) -> bool:
@@ -490,7 +505,10 @@ class EngineCore:
         self._chunks = self._take_chunks(per_request * self.p.dp_ranks, per_request, now)
         if not self._chunks:
             return False
-        self._schedule(MIXED_STEP, now, self._mixed_step_s())
+        step_s = self._mixed_step_s()
+        if self.cache.host is not None:
+            step_s = self._with_reloads(step_s)
+        self._schedule(MIXED_STEP, now, step_s)
         return True
 
     def _schedule(self, kind: int, now: float, duration_s: float) -> None:
@@ -507,6 +525,23 @@ class EngineCore:
         if bound < context:
             context = bound
         return self.cache.lookup(seq.key, context, seq.group_key, seq.group_tokens)
+
+    def _host_extra(self, seq: CoreSeq, hit: int) -> int:
+        """Tokens of `seq`'s context the host tier holds beyond the device hit `hit` (the reload it would take)."""
+        context, bound = seq.context_tokens, seq.cacheable_tokens
+        if bound < context:
+            context = bound
+        extra = self.cache.lookup_host(seq.key, context, seq.group_key, seq.group_tokens) - hit
+        return extra if extra > 0 else 0
+
+    def _with_reloads(self, step_s: float) -> float:
+        """`step_s` for a step that also loads the host-tier hits of the prompts it starts (their first chunk):
+        the load overlaps the step's compute layer by layer, so the step lasts the longer of the two."""
+        reloads = [r.reload_tokens for r, _ in self._chunks if r.reload_tokens and r.computed_tokens == 0]
+        if not reloads:
+            return step_s
+        load_s = pm.host_reload_step_s(self.p, reloads)
+        return load_s if load_s > step_s else step_s
 
     def _take_chunks(self, budget: int, per_request: int, now: float) -> list[tuple[CoreSeq, int]]:
         """Chunks for the next step: started prompts first, then new ones from the queue (not while draining)."""
@@ -537,10 +572,14 @@ class EngineCore:
         """Start computing `seq` (`hit`: its prefix hit, if just looked up here)."""
         if hit is None:
             hit = self._lookup(seq)
+        device = hit  # what the GPUs hold; beyond it, what the host tier holds is reloaded
+        if self.cache.host is not None:
+            hit += self._host_extra(seq, device)
         context = seq.context_tokens
         if hit >= context:  # the last prompt token is always recomputed (vLLM does)
             hit = context - 1 if context > 0 else 0
         seq.hit_tokens = hit
+        seq.reload_tokens = reload = hit - device if hit > device else 0
         seq.to_compute_tokens = to_compute = context - hit
         seq.computed_tokens = 0
         self.active.append(seq)
@@ -558,6 +597,7 @@ class EngineCore:
                 tally.prefill_starts += 1
                 tally.prompt_tokens += context
                 tally.prefix_hit_tokens += hit
+                tally.host_hit_tokens += reload
 
     def _mixed_step_s(self) -> float:
         priced = [(n, r.hit_tokens + r.computed_tokens) for r, n in self._chunks]

@@ -13,6 +13,13 @@ block pool); an unreferenced group prefix is evictable like any entry.
 Eviction is least-recently-inserted first (insert = the request ran, so the prefix was used) until the charged
 tokens fit `capacity_tokens`. `resize` changes the capacity (a decode engine's cache shrinks as running sequences
 claim KV) and evicts as needed. `clear()` empties it (role switch, weight update).
+
+Host tier (`host_capacity_tokens` > 0: SGLang HiCache's L2, `services.runtime.host_kv`): a second cache of the same
+kind in host memory, written through — every insert here is also an insert there, as HiCache's default
+`write_through` policy backs up each prefix the GPU caches — with its own capacity and LRU order, never resized by
+running work (host memory holds no running KV) and cleared with this one. So what the device tier evicts stays in
+host memory until the host tier evicts it in turn, and `lookup_host` tells how much of a prompt the engine could
+reload instead of recompute. Without it (the default) nothing of this class changes.
 """
 
 from __future__ import annotations
@@ -44,15 +51,19 @@ class _Group:
 class PrefixCache:
     """Cached prefix lengths per trajectory (and shared group prefixes), bounded by a token capacity."""
 
-    def __init__(self, capacity_tokens: int) -> None:
-        if capacity_tokens < 0:
-            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+    def __init__(self, capacity_tokens: int, host_capacity_tokens: int = 0) -> None:
+        if capacity_tokens < 0 or host_capacity_tokens < 0:
+            raise ValueError(f"capacities must be >= 0, got {capacity_tokens}, host {host_capacity_tokens}")
         self._capacity = capacity_tokens
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU order: oldest first
         self._groups: dict[str, _Group] = {}
         self._free_groups: OrderedDict[str, None] = OrderedDict()  # unreferenced groups, LRU order
         self._used = 0
         self.evicted_tokens = 0  # running total, for statistics
+        # The host tier, written through (module doc); None: no tier.
+        self.host: PrefixCache | None = (
+            PrefixCache(host_capacity_tokens) if host_capacity_tokens > 0 else None
+        )
 
     @property
     def capacity_tokens(self) -> int:
@@ -85,6 +96,11 @@ class PrefixCache:
                 hit = max(hit, min(shared.tokens, group_tokens))
         return hit if hit < context_tokens else context_tokens
 
+    def lookup_host(self, key: str, context_tokens: int, group: str = "", group_tokens: int = 0) -> int:
+        """Tokens of the prompt the host tier holds (0 without one): what `lookup` finds there, a read."""
+        host = self.host
+        return host.lookup(key, context_tokens, group, group_tokens) if host is not None else 0
+
     def insert(self, key: str, tokens: int, now: float, group: str = "", group_tokens: int = 0) -> None:
         """Record that the engine now holds `tokens` of trajectory `key`'s prefix (most recently used).
 
@@ -93,6 +109,9 @@ class PrefixCache:
         """
         if tokens < 0 or group_tokens < 0:
             raise ValueError(f"negative token count: tokens={tokens} group_tokens={group_tokens}")
+        host = self.host
+        if host is not None:  # write-through: the whole prefix, whatever of it the device tier keeps
+            host.insert(key, tokens, now, group, group_tokens)
         if tokens > self._capacity:
             tokens = self._capacity
         shared = (group_tokens if group_tokens < tokens else tokens) if group else 0
@@ -146,6 +165,8 @@ class PrefixCache:
         self._groups.clear()
         self._free_groups.clear()
         self._used = 0
+        if self.host is not None:  # host copies were computed with the same weights
+            self.host.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
 

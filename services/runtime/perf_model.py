@@ -36,6 +36,9 @@ Theory of operation (every time in seconds, every size in tokens):
   1/dp_ranks of the engine's prefill rate and stalls the decode step of every rank (vllm-project/vllm pull 44558:
   P50 ITL 274.9 → 32.1 ms when prefill is limited to every second step; sgl-project/sglang pulls 35017, 23588).
 * KV transfer between engines: `kv_transfer_latency_s + bytes / kv_transfer_bytes_per_s`.
+* Host KV tier (optional, `host_kv_tokens` > 0): a prefix the device cache evicted but host memory still holds is
+  reloaded over PCIe instead of recomputed, `bytes × dp_ranks / host_kv_load_bytes_per_s` per request, overlapped
+  layer by layer with the step that starts the prompt (`host_reload_step_s`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,13 @@ class ModelProfile:
     # A restart: seconds an engine takes to start again (a switch to a role whose layout differs, once drained).
     # The default stands in for profile files that predate the field (assumption: a GPU engine's restart).
     engine_start_s: float = 60.0
+    # The host-memory KV tier (SGLang HiCache's L2, vLLM + LMCache's CPU offload): tokens of prefix the engine keeps
+    # in host DRAM beside its device cache; 0 = no tier (the default, so profiles without it do not move).
+    # `services.runtime.host_kv.with_host_kv` sets both fields from HiCache's ratio, with their sources.
+    host_kv_tokens: int = 0
+    # Host-to-device bandwidth over the whole engine (bytes/s: every GPU's PCIe link); a request's reload runs over
+    # its DP rank's share (`host_reload_time_s`). Must be > 0 when the tier is on.
+    host_kv_load_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -107,6 +117,8 @@ class ModelProfile:
                 raise ValueError(f"profile {self.name}: {name} must be > 0, got {getattr(self, name)}")
         if self.experts_per_token > self.experts_total:
             raise ValueError(f"profile {self.name}: experts_per_token > experts_total")
+        if self.host_kv_tokens > 0 and self.host_kv_load_bytes_per_s <= 0:
+            raise ValueError(f"profile {self.name}: a host KV tier needs host_kv_load_bytes_per_s > 0")
 
 
 def _pairs_before(position: float, window: float) -> float:
@@ -297,6 +309,38 @@ def kv_transfer_time_s(p: ModelProfile, tokens: int) -> float:
     if tokens == 0:
         return 0.0
     return p.kv_transfer_latency_s + kv_transfer_bytes(p, tokens) / p.kv_transfer_bytes_per_s
+
+
+def host_reload_time_s(p: ModelProfile, tokens: int) -> float:
+    """Seconds to load `tokens` of one request's context from the host KV tier onto its GPUs: its KV bytes (as a
+    handoff moves them, `kv_transfer_bytes`) over the PCIe links of its DP rank, 1/dp_ranks of the engine's
+    (with DP attention a request's KV lives on its rank alone). 0 for no tokens; raises ValueError without a tier."""
+    if tokens <= 0:
+        return 0.0
+    if p.host_kv_load_bytes_per_s <= 0:
+        raise ValueError(f"profile {p.name} has no host KV tier to reload from")
+    return kv_transfer_bytes(p, tokens) * p.dp_ranks / p.host_kv_load_bytes_per_s
+
+
+def host_reload_step_s(p: ModelProfile, reload_tokens: Sequence[int]) -> float:
+    """Seconds the host-tier reloads of the prompts one step starts take, `reload_tokens` each: every request over
+    its own rank's links, the ranks in parallel, so the largest one or an even share of all of them over every
+    link, whichever is longer (one rank: their sum). The step lasts the longer of this and its compute: HiCache
+    loads layer N+1 while layer N computes (layer-wise overlap), so only a load longer than the step stalls it."""
+    largest = 0.0
+    total = 0.0
+    for tokens in reload_tokens:
+        if tokens > 0:
+            moved = kv_transfer_bytes(p, tokens)
+            total += moved
+            if moved > largest:
+                largest = moved
+    if total <= 0:
+        return 0.0
+    if p.host_kv_load_bytes_per_s <= 0:
+        raise ValueError(f"profile {p.name} has no host KV tier to reload from")
+    busiest = largest * p.dp_ranks if largest * p.dp_ranks > total else total
+    return busiest / p.host_kv_load_bytes_per_s
 
 
 def kv_capacity_tokens(p: ModelProfile) -> int:

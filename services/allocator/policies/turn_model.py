@@ -175,6 +175,27 @@ def cache_hit_share(capacity_tokens: float, working_set_tokens: float) -> float:
     return max(0.0, capacity_tokens) / working_set_tokens
 
 
+def host_tier_share(p: pm.ModelProfile, working_set_tokens: float, device_kept: float) -> float:
+    """The share of turns whose prefix the engine's device cache lost but its host KV tier still holds (0 without
+    one): they reload the prefix over PCIe instead of recomputing it. The tier is written through, so it holds
+    what the GPUs hold and more (`services.engine_agent.prefix_cache`), an LRU of its own capacity: by
+    `cache_hit_share`'s approximation it holds min(1, host / working set) of the prefixes, `device_kept` of them on
+    the GPUs too. A turn sent to another engine finds nothing there either (HiCache's host tier is private to its
+    instance), so only capacity misses move — which is why a split's pricing (`_disaggregated`) has no term."""
+    if p.host_kv_tokens <= 0:
+        return 0.0
+    return max(0.0, cache_hit_share(p.host_kv_tokens, working_set_tokens) - device_kept)
+
+
+def host_reload_stall_s(p: pm.ModelProfile, context_tokens: float, step_s: float) -> float:
+    """Seconds a host-tier hit adds to the step that starts its prompt (0 without a tier): the reload of its context
+    (`perf_model.host_reload_time_s`) overlaps the step layer by layer (HiCache), so only what outlasts a step of
+    `step_s` stalls it, as the engines price it (`perf_model.host_reload_step_s`)."""
+    if p.host_kv_tokens <= 0:
+        return 0.0
+    return max(0.0, pm.host_reload_time_s(p, round(context_tokens)) - step_s)
+
+
 def sent_away(rho: float, patience_prompts: float) -> float:
     """The share of turns placement sends away from their engine: the blocking probability of an M/M/1/C queue,
     C = patience + 1 (a turn stays while at most `patience_prompts` wait there), at utilisation `rho`:
@@ -315,7 +336,9 @@ def _colocated(
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
         kept = cache_hit_share(p.kv_capacity_tokens - running * ctx, working_set)
-        stall, steps = prompt_cost(1.0 - (1.0 - away) * kept)
+        hosted = (1.0 - away) * host_tier_share(p, working_set, kept)  # device misses host memory holds
+        stall, steps = prompt_cost(1.0 - (1.0 - away) * kept - hosted)
+        stall += hosted * host_reload_stall_s(p, shape.context_tokens, step(running))
         t_decode = step(running)
         s_prompt = stall + steps * t_decode  # time the prompt holds its rank
         t_mixed = t_decode + stall / steps  # one step that carries a chunk
