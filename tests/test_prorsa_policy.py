@@ -375,6 +375,16 @@ def test_a_move_that_growing_contexts_undo_within_the_horizon_is_not_made() -> N
     assert len(moved) == 1 and "P6/D2" in moved[0]
 
 
+def test_the_drift_is_the_growth_of_the_windows_contexts_from_the_third_window_on() -> None:
+    """Contexts growing 160 tokens/s: a least-squares line through the windows reads the growth within a few
+    windows of a step's start (the slope of the running estimate lagged it by minutes)."""
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    roles = ["prefill"] * 5 + ["decode"] * 3
+    for k in range(1, 4):
+        policy.decide(view(roles, 5.0 * k, shape=TurnShape(2350, 183, 4_000 + 800 * k, 2.1), n=511))
+    assert policy._context_drift == pytest.approx(160, rel=0.02)
+
+
 def test_a_new_population_starts_its_own_context_estimate() -> None:
     """Between steps nobody is live; the next step's first contexts are its first prompts, and the last step's
     grown contexts may neither linger in the running estimate nor read as contexts shrinking."""
