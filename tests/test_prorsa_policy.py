@@ -261,6 +261,32 @@ def test_prorsa_leaves_colocation_for_a_split_under_dp_attention_and_then_holds(
     assert "s per turn" in plans[0].reason
 
 
+def test_a_move_is_carried_through_the_hybrids_on_the_way_not_re_decided() -> None:
+    """The coordinator applies a move a few engines at a time; from the hybrid on the way (mixed beside dedicated
+    engines, which the model prices as colocation over the mixed ones) the policy sends the rest of the same
+    move, whatever that hybrid scores — re-deciding there turned moves back halfway and made them again."""
+    policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
+    roles = ["mixed"] * 8
+    plan = None
+    for k in range(1, 25):
+        plan = policy.decide(view(roles, 5.0 * k))
+        if plan is not None:
+            break
+    assert plan is not None and policy._moving_to is not None
+    target = policy._moving_to
+    for eid in sorted(plan.roles)[:2]:  # the coordinator applied two of the moves
+        roles[int(eid[1:])] = plan.roles[eid]
+    hybrid = view(["mixed"] * 8, 5.0 * (k + 1))
+    hybrid = dataclasses.replace(hybrid, engines=tuple(engine(i, r) for i, r in enumerate(roles)))
+    again = policy.decide(hybrid)
+    assert again is not None and "a move under way" in again.reason
+    for eid, role in again.roles.items():
+        roles[int(eid[1:])] = role
+    assert Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed")) == target
+    assert policy.decide(view(roles, 5.0 * (k + 2))) is None  # reached: held, and the move is over
+    assert policy._moving_to is None
+
+
 def test_a_window_with_no_answer_moves_neither_the_turn_estimate_nor_the_measured_error() -> None:
     """A step's first window submits every first prompt before any answer ends: its output length is the
     default, not a measurement, and its turns-per-second is arrivals, not Little's law. Neither may count."""
@@ -321,7 +347,7 @@ def test_a_colocated_start_that_every_guess_condemns_is_left_before_the_sample_s
     policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
     plan = policy.decide(first_prompts(512))
     assert plan is not None and "a default turn agrees" in plan.reason
-    target = policy._escaping
+    target = policy._moving_to
     assert target is not None and target.mixed == 0 and target.prefill >= 2 and target.decode >= 2
     assert make_policy("prorsa:escape=0", 8, profile="deepseek-v3.2").decide(first_prompts(512)) is None
 
@@ -331,8 +357,8 @@ def test_an_escape_under_way_is_carried_through_the_hybrids_on_the_way() -> None
     policy keeps sending the escape's target until it stands, whatever the window's scores say of the hybrid."""
     policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
     plan = policy.decide(first_prompts(512))
-    assert plan is not None and policy._escaping is not None
-    target = policy._escaping
+    assert plan is not None and policy._moving_to is not None
+    target = policy._moving_to
     roles = ["mixed"] * 8
     for eid in sorted(plan.roles)[:2]:  # the coordinator applied two of the moves
         roles[int(eid[1:])] = plan.roles[eid]

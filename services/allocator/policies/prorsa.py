@@ -142,7 +142,7 @@ class ProrsaPolicy(AllocatorPolicy):
     settle: int = 1  # 1: a move within a step settles before the queue it made is read (`_settling`); 0: not
     # 1: leave a colocated start before the turn sample stands where a default turn agrees (`_escape`); 0: not
     escape: int = 1
-    _escaping: Split | None = field(default=None, repr=False)  # the split an escape is moving to (`_escape`)
+    _moving_to: Split | None = field(default=None, repr=False)  # the split a move under way goes to (`plan`)
     # 1: a move must also win on the turn the horizon's midpoint will hold, contexts grown as they are growing
     # (`_ahead`); 0: on today's turn only
     drift: int = 1
@@ -197,7 +197,7 @@ class ProrsaPolicy(AllocatorPolicy):
         snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
         if snapshot is not None and not live_count(snapshot.counts):
             self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
-            self._escaping = None
+            self._moving_to = None
             # A new population's contexts start at its first prompts: the last one's grown contexts say nothing of
             # them (its answers, new tokens and tool calls, of the same tasks, still do), and left in the running
             # estimate they read as contexts shrinking through the next step's first minute (`_ahead`).
@@ -290,16 +290,19 @@ class ProrsaPolicy(AllocatorPolicy):
                 return None
             self._step_held = False
         sample_stands = self._turns_finished >= n_live and self._turns_seen >= 3 * n_live
-        if self._escaping is not None and not sample_stands:
-            # An escape, once chosen, is carried through: the coordinator moves a quarter of the fleet per plan, and
-            # the hybrids on the way are neither colocation nor the split (at 1,024 trajectories on deepseek-v3.2 one
-            # held 2 prefill engines beside 6 mixed for 35 s, its score read against colocation's).
-            if current == self._escaping:
-                return None
+        target = self._moving_to
+        if target is not None and target.total == len(view.engines) and current != target:
+            # A move, once chosen, is carried through: the coordinator moves a quarter of the fleet per plan, and
+            # the hybrids on the way are neither the split it left nor the one it goes to — the model prices them
+            # as colocation over their mixed engines, the dedicated ones idle. Re-decided from each hybrid, moves
+            # flapped: 9:7 -> colocation on 16 engines of qwen3-235b at 1,024 trajectories turned back at 9:3:4
+            # (9:7 scored 13.5 s a turn there, colocation 13.8) and was chosen again from 9:7, eight times in 45 s;
+            # an escape from a colocated start held 2 prefill engines beside 6 mixed for 35 s on deepseek-v3.2.
             return Plan(
-                roles=moves_for_split(view, self._escaping),
-                reason=f"{self.name}: {current} -> {self._escaping}, leaving a colocated start (under way)",
+                roles=moves_for_split(view, target),
+                reason=f"{self.name}: {current} -> {target} (a move under way)",
             )
+        self._moving_to = None
         if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
             return None
         if not sample_stands:
@@ -314,7 +317,7 @@ class ProrsaPolicy(AllocatorPolicy):
             )
             if escape is None:
                 return None
-            self._escaping = best = escape
+            best = escape
             reason = (
                 f"{self.name}: {current} -> {best}, projected {current_j:.2f} -> {scored[best]:.2f} s per turn "
                 f"(N={n_live:.0f}, H={horizon:.0f} s; before the turn sample stands: a default turn agrees)"
@@ -326,6 +329,7 @@ class ProrsaPolicy(AllocatorPolicy):
             return None
         switch_s, _ = switch.of(current, best)
         self._settle_until = view.now + switch_s + switch.recompute_s(current, best, self.capacity, shape)
+        self._moving_to = best
         return Plan(roles=moves_for_split(view, best), reason=reason)
 
     def _escape(
