@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from proto import TaskOutlook
 from services.forecaster.base import MetricForecast, Predictor, normal_triple, register
 from services.forecaster.distributions import (
     POOLED,
@@ -70,6 +71,7 @@ from services.forecaster.distributions import (
     turn_bucket,
 )
 from services.forecaster.lifecycle_model import PriorSamples, impute_censored
+from services.forecaster.lifecycle_outlook import lifecycle_outlook
 from services.forecaster.lifecycle_stack import Stack, build_stack, stacked_moments
 from services.forecaster.lifecycle_tables import TaskTable, build_task_table
 from services.forecaster.picture import DECODE, QUEUED, TOOL_CALL, Picture
@@ -230,6 +232,14 @@ class LifecyclePredictor(Predictor):
             out["decode_concurrency"].append(normal_triple(mean["seconds"] / h, var["seconds"] / (h * h)))
             out["kv_tokens"].append(normal_triple(mean["kv"], var["kv"]))
         return out
+
+    def outlook(self, now: float, horizon_s: float) -> list[TaskOutlook] | None:
+        """The demand outlook from the tables and the live picture (`lifecycle_outlook.py`)."""
+        pic = self.picture
+        if pic is None:
+            return None
+        rate = pic.decode_rate_tokens_per_s or self.decode_throughput() or 0.0
+        return lifecycle_outlook(pic, self._table, rate, horizon_s)
 
     def _table(self, task: str, bucket: int | None = None) -> TaskTable:
         t = self.tables.get(turn_key(task, bucket)) if bucket is not None else None

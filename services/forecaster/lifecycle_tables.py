@@ -47,6 +47,55 @@ class KindTable:
     surv_finish: np.ndarray | None = None  # tool_call: P(D > s) of gaps ending the trajectory
 
 
+# (mean, q10, q50, q90) of one quantity per turn
+Figure = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class TurnFigures:
+    """One turn of the task as the model's inputs have it, for the demand outlook (`lifecycle_outlook.py`): new
+    prompt tokens, output tokens and tool (gap) seconds per turn, each (mean, q10, q50, q90) with the task's own
+    observations behind it (0: a prior), and the outputs sorted with their suffix sums, for the expected rest of an
+    output already `g` tokens long."""
+
+    new_tokens: Figure
+    output_tokens: Figure
+    tool_s: Figure
+    observed: tuple[int, int, int]  # own samples of new tokens, outputs, gaps that ended in a turn
+    out_sorted: np.ndarray  # (n,)
+    out_suffix: np.ndarray  # (n + 1,): out_suffix[i] = sum of out_sorted[i:]
+
+    def remaining_output(self, generated: np.ndarray) -> np.ndarray:
+        """E[L - g | L > g] per value g (0 where no observed output is longer: the answer is about done)."""
+        i = np.searchsorted(self.out_sorted, generated, "right")
+        above = len(self.out_sorted) - i
+        mean_above = np.where(above > 0, self.out_suffix[i] / np.maximum(above, 1), generated)
+        return np.maximum(mean_above - generated, 0.0)
+
+
+def _figure(x: np.ndarray) -> Figure:
+    q10, q50, q90 = (float(v) for v in np.quantile(x, (0.1, 0.5, 0.9)))
+    return float(x.mean()), q10, q50, q90
+
+
+def turn_figures(inp: Inputs, samples: TaskSamples | None) -> TurnFigures:
+    """The task's `TurnFigures` from its model inputs (priors filled in) and its own samples (the counts)."""
+    out = np.sort(inp.out)
+    own = (
+        (samples.size("new_tokens"), samples.size("output_tokens"), int(samples.gap_is_turn.sum()))
+        if samples is not None
+        else (0, 0, 0)
+    )
+    return TurnFigures(
+        new_tokens=_figure(inp.new),
+        output_tokens=_figure(inp.out),
+        tool_s=_figure(inp.gap_turn),
+        observed=own,
+        out_sorted=out,
+        out_suffix=np.concatenate((np.cumsum(out[::-1])[::-1], [0.0])),
+    )
+
+
 @dataclass(frozen=True)
 class TaskTable:
     horizons_s: np.ndarray  # (H,)
@@ -54,6 +103,7 @@ class TaskTable:
     cont: ContTable
     kinds: dict[int, KindTable]  # state code (picture.QUEUED ...) -> table
     hazard: np.ndarray  # P(end after turn k | reached k), the last entry for every later k
+    figures: TurnFigures | None = None  # one turn, for the demand outlook (None: a table built without)
 
     def next_turn_prob(self, turn: np.ndarray) -> np.ndarray:
         return 1.0 - self.hazard[np.minimum(turn, len(self.hazard) - 1)]
@@ -227,4 +277,4 @@ def build_task_table(
         PREFILL: _decode_table(inp, cont, hs, rng, paths, min_tail, wait=True),
         DECODE: _decode_table(inp, cont, hs, rng, paths, min_tail, wait=False),
     }
-    return TaskTable(hs, inp.rate, cont, kinds, hazard)
+    return TaskTable(hs, inp.rate, cont, kinds, hazard, turn_figures(inp, samples))
