@@ -33,7 +33,7 @@ import numpy as np
 from prorsa.forecast_eval.ledger import DemandLedger
 from prorsa.sim.forecast_feed import ForecastFeed, decoded_at, live_feed
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, simulate
-from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles
+from proto import DemandForecast, HorizonForecast, Quantiles
 from services.allocator.registry import make_policy
 from services.forecaster.series import HORIZONS_S
 from services.runtime.model_profiles import load_profile
@@ -176,14 +176,12 @@ class _PassFeed:
         if self.live is not None:
             self.live.on_event(kind, traj_id, now, **f)
 
-    def at(
-        self, now: float, engines: Iterable[SimEngine]
-    ) -> tuple[LifecycleSnapshot | None, DemandForecast | None]:
+    def at(self, now: float, engines: Iterable[SimEngine]) -> DemandForecast | None:
         engines = list(engines)
         self.record.sample(now, engines)
         if self.live is not None:
             return self.live.at(now, engines)
-        return None, self.truth.forecast(now) if self.truth is not None else None
+        return self.truth.forecast(now) if self.truth is not None else None
 
 
 FIRST_PASS_FORECASTER = "lifecycle"
