@@ -63,7 +63,9 @@ def lifecycle_outlook(
         hazard = table.hazard[np.minimum(turn, len(table.hazard) - 1)]
         submitted = state <= PREFILL  # queued or in prefill: the next prefill is this turn's
         p_next = np.where(submitted, 1.0, 1.0 - hazard)
-        rest = np.where(state == DECODE, f.remaining_output(pic.generated[mine]), 0.0)
+        decoding = state == DECODE
+        rest = np.zeros(len(state))
+        rest[decoding] = f.remaining_output(pic.generated[mine][decoding])
         ahead = np.where(submitted, ctx, ctx + rest + f.new_tokens[0])
         rate = rate_tokens_per_s if rate_tokens_per_s > 0.0 else table.decode_rate_tokens_per_s
         looping = float(pop[code][DECODE] + pop[code][TOOL_CALL])
