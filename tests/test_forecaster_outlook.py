@@ -183,6 +183,30 @@ def test_lifecycle_reads_the_turns_ahead_from_its_tables_and_the_live_picture() 
     assert EnsemblePredictor(horizons_s=H, members=["naive", "ewma"]).outlook(100.0, 5.0) is None
 
 
+def test_each_task_of_a_mix_has_its_own_figures_where_it_has_a_few_samples() -> None:
+    """A mix: task "m" has only 5 answers of its own (3,000 tokens, too few for tables of its own) and no tool call
+    yet; task "u" has nothing. "m" reads its own outputs and the pooled tool calls, "u" the pooled figures."""
+    d = _learned()
+    for _ in range(5):
+        d.add("m", "output_tokens", 3_000.0, turn=0)
+    snap = _snapshot(
+        [("t", "decode", 1, 2_000, 10), ("m", "decode", 0, 500, 100), ("u", "tool_call", 0, 700, 0)], ts=100.0
+    )
+    p = LifecyclePredictor(horizons_s=H, seed=0, min_task_samples=20)
+    p.observe(build_picture(snap, d), 100.0)
+    p.refit(100.0)
+    t, m, u = p.outlook(100.0, 5.0) or []
+    assert (t.task, m.task, u.task) == ("t", "m", "u")
+    assert m.output_tokens.mean == pytest.approx(3_000.0) and m.output_tokens.observed == 5
+    assert m.tool_s.mean == pytest.approx(2.0) and m.tool_s.observed >= 300  # the pooled gaps
+    assert m.context_tokens.mean == pytest.approx(500 + 2_900 + 50)  # the rest of a 3,000-token answer
+    assert u.output_tokens.mean == pytest.approx(
+        (300 * 100 + 5 * 3_000) / 305
+    )  # the pooled task's, "m"'s too
+    # one decoding trajectory a task: a 3,000-token answer takes 60 s, a 100-token one 2 s
+    assert m.turns.mean == pytest.approx(5.0 / (2.0 + 60.0)) and t.turns.mean == pytest.approx(5.0 / 4.0)
+
+
 def test_before_its_first_refit_lifecycle_says_its_figures_are_priors() -> None:
     snap = _snapshot([("t", "tool_call", 0, 1_000, 0)], ts=1.0)
     p = LifecyclePredictor(horizons_s=H, seed=0)

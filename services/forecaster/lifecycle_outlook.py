@@ -1,9 +1,9 @@
-"""`lifecycle`'s demand outlook (`outlook.py`): the turns ahead from its per-task tables and the live picture.
+"""`lifecycle`'s demand outlook (`outlook.py`): the turns ahead from its per-task figures and the live picture.
 
-Per live task, from the task's table (`lifecycle_tables.TaskTable`, the pooled one for a task with too few
-observations of its own) and each live trajectory i at turn k_i:
-  new_tokens, output_tokens, tool_s  the task's per-turn distributions as the model uses them (`TurnFigures`: its
-                                     samples, priors where it has none — then `observed` is 0);
+Per live task, from the task's figures (`lifecycle_tables.TurnFigures`, made at every refit from the task's own
+samples, kind by kind the pooled task's where it has fewer than a few) and each live trajectory i at turn k_i:
+  new_tokens, output_tokens, tool_s  the task's per-turn distributions (the samples, priors where there are none —
+                                     then `observed` is 0);
   turns                              the task's turn rate by Little's law over the two stations whose times do not
                                      depend on the split: λ = (in a tool call + decoding) / (E[tool s] + E[output] /
                                      r), r the per-sequence decode rate the forecast uses (the prefill station's wait
@@ -19,10 +19,10 @@ observations of its own) and each live trajectory i at turn k_i:
                                      a turn's mean new tokens; decoding g tokens: plus the rest of its answer,
                                      E[L - g | L > g], too — weighted by its share of the turns and the
                                      probability that the next turn comes, 1 - h(k_i) (`TaskTable.hazard`; 1 for a
-                                     turn already submitted);
+                                     turn already submitted; h the task's turn-count hazard, `TurnFigures.hazard`);
   finished                           each turn ends its trajectory with the hazard of its turn: λ h Σ share_i h(k_i),
                                      a Poisson count.
-The tables are the refit's (every 30 s, or sooner on news): the figures lag as the forecast's own tables do.
+The figures are the refit's (every 30 s, or sooner on news): they lag as the forecast's own tables do.
 Cost: one pass of a few vector operations per task over its live trajectories.
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from proto import MAX_OUTLOOK_S, MAX_OUTLOOK_TOKENS, Estimate, TaskOutlook
-from services.forecaster.lifecycle_tables import Figure, TaskTable
+from services.forecaster.lifecycle_tables import Figure, TurnFigures
 from services.forecaster.outlook import count_estimate, outlook_row, population, weighted_estimate
 from services.forecaster.picture import DECODE, PREFILL, TOOL_CALL, Picture
 
@@ -45,29 +45,26 @@ def _estimate(f: Figure, observed: int, limit: float) -> Estimate:
 
 
 def lifecycle_outlook(
-    pic: Picture, table_of: Callable[[str], TaskTable], rate_tokens_per_s: float, horizon_s: float
+    pic: Picture, figures_of: Callable[[str], TurnFigures], rate_tokens_per_s: float, horizon_s: float
 ) -> list[TaskOutlook]:
-    """Per live task of `pic`, its outlook over `horizon_s` (module header). `table_of(task)`: the table the
-    forecast uses for the task; `rate_tokens_per_s`: the per-sequence decode rate it uses."""
+    """Per live task of `pic`, its outlook over `horizon_s` (module header). `figures_of(task)`: one turn of the
+    task; `rate_tokens_per_s`: the per-sequence decode rate the forecast uses (0: the one learned at the refit)."""
     pop = population(pic)
     out = []
     for code, task in enumerate(pic.task_names):
         mine = pic.task == code
         if not mine.any():
             continue
-        table = table_of(task)
-        f = table.figures
-        if f is None:  # every table `build_task_table` makes has them
-            raise ValueError(f"the table of task {task!r} has no turn figures")
+        f = figures_of(task)
         state, ctx, turn = pic.state[mine], pic.context[mine], pic.turn[mine]
-        hazard = table.hazard[np.minimum(turn, len(table.hazard) - 1)]
+        hazard = f.hazard[np.minimum(turn, len(f.hazard) - 1)]
         submitted = state <= PREFILL  # queued or in prefill: the next prefill is this turn's
         p_next = np.where(submitted, 1.0, 1.0 - hazard)
         decoding = state == DECODE
         rest = np.zeros(len(state))
         rest[decoding] = f.remaining_output(pic.generated[mine][decoding])
         ahead = np.where(submitted, ctx, ctx + rest + f.new_tokens[0])
-        rate = rate_tokens_per_s if rate_tokens_per_s > 0.0 else table.decode_rate_tokens_per_s
+        rate = rate_tokens_per_s if rate_tokens_per_s > 0.0 else f.decode_rate_tokens_per_s
         looping = float(pop[code][DECODE] + pop[code][TOOL_CALL])
         turns_per_s = looping / max(f.tool_s[0] + f.output_tokens[0] / max(rate, 1e-9), 1e-9)
         share = turn + 1.0

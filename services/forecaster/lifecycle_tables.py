@@ -53,15 +53,17 @@ Figure = tuple[float, float, float, float]
 
 @dataclass(frozen=True)
 class TurnFigures:
-    """One turn of the task as the model's inputs have it, for the demand outlook (`lifecycle_outlook.py`): new
-    prompt tokens, output tokens and tool (gap) seconds per turn, each (mean, q10, q50, q90) with the task's own
-    observations behind it (0: a prior), and the outputs sorted with their suffix sums, for the expected rest of an
-    output already `g` tokens long."""
+    """One turn of a task, for the demand outlook (`lifecycle_outlook.py`): new prompt tokens, output tokens and
+    tool (gap) seconds per turn, each (mean, q10, q50, q90) with the observations behind it (0: a prior), the
+    turn-count hazard, and the outputs sorted with their suffix sums, for the expected rest of an output already
+    `g` tokens long."""
 
     new_tokens: Figure
     output_tokens: Figure
     tool_s: Figure
-    observed: tuple[int, int, int]  # own samples of new tokens, outputs, gaps that ended in a turn
+    observed: tuple[int, int, int]  # samples of new tokens, outputs, gaps that ended in a turn
+    hazard: np.ndarray  # P(end after turn k | reached k), the last entry for every later k
+    decode_rate_tokens_per_s: float  # the learned per-sequence rate at the refit (else the prior's)
     out_sorted: np.ndarray  # (n,)
     out_suffix: np.ndarray  # (n + 1,): out_suffix[i] = sum of out_sorted[i:]
 
@@ -78,22 +80,47 @@ def _figure(x: np.ndarray) -> Figure:
     return float(x.mean()), q10, q50, q90
 
 
-def turn_figures(inp: Inputs, samples: TaskSamples | None) -> TurnFigures:
-    """The task's `TurnFigures` from its model inputs (priors filled in) and its own samples (the counts)."""
+def task_figures(
+    own: TaskSamples | None,
+    pooled: TaskSamples | None,
+    rate_tokens_per_s: float,
+    live_turns: np.ndarray | None = None,
+    prior: PriorSamples | None = None,
+    min_own: int = 3,
+) -> TurnFigures:
+    """A task's `TurnFigures`: per kind its own samples where it has `min_own`, else the pooled task's (else the
+    priors, `make_inputs`). Every task gets its own, not only those with enough samples for tables: the pooled
+    figures of a mix priced a math turn (3,000 output tokens, 3 turns a trajectory) as a general one (250, 30)."""
+    s = _own_or_pooled(own, pooled, min_own)
+    inp = make_inputs(s, rate_tokens_per_s, prior)
+    live = live_turns if live_turns is not None else np.zeros(0, dtype=np.int64)
     out = np.sort(inp.out)
-    own = (
-        (samples.size("new_tokens"), samples.size("output_tokens"), int(samples.gap_is_turn.sum()))
-        if samples is not None
+    observed = (
+        (s.size("new_tokens"), s.size("output_tokens"), int(s.gap_is_turn.sum()))
+        if s is not None
         else (0, 0, 0)
     )
     return TurnFigures(
         new_tokens=_figure(inp.new),
         output_tokens=_figure(inp.out),
         tool_s=_figure(inp.gap_turn),
-        observed=own,
+        observed=observed,
+        hazard=turn_hazard(inp.turns, live, inp.finish_fraction),
+        decode_rate_tokens_per_s=inp.rate,
         out_sorted=out,
         out_suffix=np.concatenate((np.cumsum(out[::-1])[::-1], [0.0])),
     )
+
+
+_KINDS = ("queue_wait_s", "prefill_wait_s", "output_tokens", "new_tokens", "turns")
+
+
+def _own_or_pooled(own: TaskSamples | None, pooled: TaskSamples | None, min_own: int) -> TaskSamples | None:
+    if own is None or pooled is None:
+        return own if own is not None else pooled
+    pick = {k: getattr(own if own.size(k) >= min_own else pooled, k) for k in _KINDS}
+    gaps = own if own.size("gap_s") >= min_own else pooled
+    return TaskSamples(gap_s=gaps.gap_s, gap_is_turn=gaps.gap_is_turn, **pick)
 
 
 @dataclass(frozen=True)
@@ -103,7 +130,6 @@ class TaskTable:
     cont: ContTable
     kinds: dict[int, KindTable]  # state code (picture.QUEUED ...) -> table
     hazard: np.ndarray  # P(end after turn k | reached k), the last entry for every later k
-    figures: TurnFigures | None = None  # one turn, for the demand outlook (None: a table built without)
 
     def next_turn_prob(self, turn: np.ndarray) -> np.ndarray:
         return 1.0 - self.hazard[np.minimum(turn, len(self.hazard) - 1)]
@@ -277,4 +303,4 @@ def build_task_table(
         PREFILL: _decode_table(inp, cont, hs, rng, paths, min_tail, wait=True),
         DECODE: _decode_table(inp, cont, hs, rng, paths, min_tail, wait=False),
     }
-    return TaskTable(hs, inp.rate, cont, kinds, hazard, turn_figures(inp, samples))
+    return TaskTable(hs, inp.rate, cont, kinds, hazard)
