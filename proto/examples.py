@@ -11,6 +11,7 @@ from proto.messages import (
     DemandForecast,
     EngineStats,
     ErrorReply,
+    Estimate,
     GenerateRequest,
     GenerationControl,
     HealthReply,
@@ -27,6 +28,7 @@ from proto.messages import (
     RoleSwitchAck,
     RoleSwitchCommand,
     SamplingParams,
+    TaskOutlook,
     TokenChunk,
     TokenProgress,
     ToolCallFinished,
@@ -271,6 +273,22 @@ EXAMPLES: dict[type[Message], Message] = {
                 kv_tokens=Quantiles(q10=3.5e5, q50=4.1e5, q90=4.6e5),
             )
         ],
+        outlook=[
+            TaskOutlook(
+                task="coding",
+                prefill=2,
+                decode=40,
+                tool_call=22,
+                turns=Estimate(mean=41.0, q10=33.0, q50=41.0, q90=49.0, observed=64),
+                finished=Estimate(mean=1.5, q10=0.0, q50=1.5, q90=3.1, observed=64),
+                new_tokens=Estimate(mean=210.0, q10=40.0, q50=150.0, q90=480.0, observed=2048),
+                output_tokens=Estimate(mean=95.0, q10=20.0, q50=70.0, q90=210.0, observed=2048),
+                context_tokens=Estimate(mean=21000.0, q10=6000.0, q50=19000.0, q90=38000.0, observed=62),
+                tool_s=Estimate(mean=1.9, q10=0.1, q50=0.3, q90=4.2, observed=2048),
+            )
+        ],
+        outlook_horizon_s=5.0,
+        started_total=128,
     ),
     HealthRequest: HealthRequest(ts_s=T0),
     HealthReply: HealthReply(

@@ -16,6 +16,7 @@ The `type` tag of each message is its snake_case class name; a JSON payload is t
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -545,11 +546,110 @@ class HorizonForecast(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: Quantiles  # KV held by decoding sequences at the horizon
 
 
+# The demand outlook (issue 32, item 3): what the allocator needs of the live trajectories and the turns ahead, so
+# that it reads demand from the forecast alone (the tracker's snapshot stays the forecaster's input). Bounds beyond
+# which a figure is absurd: more tokens than any model's context (the forecaster's picture refuses more), a state
+# lasting longer than a run, more trajectories or turns than a cluster holds.
+MAX_OUTLOOK_TOKENS = float(2**24)
+MAX_OUTLOOK_S = 7 * 86400.0
+MAX_OUTLOOK_COUNT = float(2**31)
+
+
+class Estimate(msgspec.Struct, frozen=True, kw_only=True):
+    """One figure of the outlook: its mean and q10 / q50 / q90 (finite, >= 0, ordered; checked on decode and on
+    construction, so an invalid one cannot exist), and the observations it rests on (0: a prior, or nothing seen:
+    a reader falls back to its own default)."""
+
+    mean: NonNegFloat
+    q10: NonNegFloat
+    q50: NonNegFloat
+    q90: NonNegFloat
+    observed: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        for name in ("mean", "q10", "q50", "q90"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"`{name}` is {v}: an estimate is finite and >= 0")
+        if not (self.q10 <= self.q50 <= self.q90):
+            raise ValueError(f"quantiles out of order: q10 {self.q10}, q50 {self.q50}, q90 {self.q90}")
+
+
+ZERO_ESTIMATE = Estimate(mean=0.0, q10=0.0, q50=0.0, q90=0.0)
+
+
+class TaskOutlook(msgspec.Struct, frozen=True, kw_only=True):
+    """One task's live trajectories now and its turns over the next `DemandForecast.outlook_horizon_s`."""
+
+    task: Annotated[str, Meta(max_length=200)]  # the trajectories' `TrajectoryStarted.task` ("" when unnamed)
+    # Live trajectories now, by phase (the tracker's states).
+    queued: NonNegInt = 0
+    prefill: NonNegInt = 0
+    decode: NonNegInt = 0
+    tool_call: NonNegInt = 0
+    # Over the horizon: turns its trajectories submit, and trajectories that finish.
+    turns: Estimate = ZERO_ESTIMATE
+    finished: Estimate = ZERO_ESTIMATE
+    # Per turn ahead: new prompt tokens (what the client appends), output tokens, the whole context at the turn's
+    # prefill, and the seconds of the tool call before it (the time outside the model between two turns).
+    new_tokens: Estimate = ZERO_ESTIMATE
+    output_tokens: Estimate = ZERO_ESTIMATE
+    context_tokens: Estimate = ZERO_ESTIMATE
+    tool_s: Estimate = ZERO_ESTIMATE
+
+    def __post_init__(self) -> None:
+        limits = (
+            ("turns", MAX_OUTLOOK_COUNT),
+            ("finished", MAX_OUTLOOK_COUNT),
+            ("new_tokens", MAX_OUTLOOK_TOKENS),
+            ("output_tokens", MAX_OUTLOOK_TOKENS),
+            ("context_tokens", MAX_OUTLOOK_TOKENS),
+            ("tool_s", MAX_OUTLOOK_S),
+        )
+        for name, limit in limits:
+            e = getattr(self, name)
+            if max(e.mean, e.q90) > limit:
+                raise ValueError(
+                    f"task {self.task!r}: `{name}` of {max(e.mean, e.q90)} is absurd (> {limit:g})"
+                )
+        live = self.queued + self.prefill + self.decode + self.tool_call
+        if live > MAX_OUTLOOK_COUNT:
+            raise ValueError(
+                f"task {self.task!r}: {live} live trajectories is absurd (> {MAX_OUTLOOK_COUNT:g})"
+            )
+
+    @property
+    def live(self) -> int:
+        return self.queued + self.prefill + self.decode + self.tool_call
+
+
 class DemandForecast(Message, frozen=True, kw_only=True):
+    """Demand over the next horizons, with its uncertainty (`horizons`), and the outlook the allocator plans from:
+    per task, the live trajectories by phase and the turns ahead (`outlook`, `TaskOutlook`). The allocator reads
+    demand from this message alone; the tracker's snapshot is the forecaster's input."""
+
     ts_s: float
     predictor: str  # "naive" | "ewma" | "ets" | "arima" | "lifecycle" | "ensemble"
     horizons: list[HorizonForecast]
     snapshot_ts_s: float = 0.0
+    # Added within schema 2 with neutral defaults (an older forecaster sends no outlook: outlook_horizon_s 0).
+    # Per task, the live trajectories and the turns ahead (`TaskOutlook`), tasks in order of first appearance.
+    outlook: list[TaskOutlook] = []
+    # The horizon the outlook's turns and finishes cover (s); 0: no outlook (then `outlook` is empty). A forecast
+    # with an outlook and no live trajectory has this > 0 and an empty `outlook`.
+    outlook_horizon_s: NonNegFloat = 0.0
+    # Trajectories the tracker had seen start, at the snapshot the outlook was made from (its `started_total`):
+    # between two forecasts, how many are new (a step start, for the allocator's step memory).
+    started_total: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.outlook_horizon_s) and self.outlook_horizon_s <= MAX_OUTLOOK_S):
+            raise ValueError(f"`outlook_horizon_s` is {self.outlook_horizon_s}")
+        if self.outlook and not self.outlook_horizon_s > 0.0:
+            raise ValueError("an outlook needs `outlook_horizon_s` > 0")
+        tasks = [t.task for t in self.outlook]
+        if len(set(tasks)) != len(tasks):
+            raise ValueError(f"the outlook lists a task twice: {tasks}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -611,6 +711,12 @@ __all__ = [m.__name__ for m in ALL_MESSAGES] + [
     "TrajectoryFeatures",
     "Quantiles",
     "HorizonForecast",
+    "Estimate",
+    "TaskOutlook",
+    "ZERO_ESTIMATE",
+    "MAX_OUTLOOK_TOKENS",
+    "MAX_OUTLOOK_S",
+    "MAX_OUTLOOK_COUNT",
     "Role",
     "TrajectoryState",
     "UpdateMode",

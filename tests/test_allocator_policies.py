@@ -349,12 +349,13 @@ def test_no_policy_module_reads_a_clock_or_does_io() -> None:
     import services.allocator.policies.common as common
     import services.allocator.policies.dynamo as dynamo
     import services.allocator.policies.load_predictors as lp
+    import services.allocator.policies.outlook as outlook
     import services.allocator.policies.prorsa as prorsa
     import services.allocator.policies.reactive as reactive
     import services.allocator.policies.step_memory as step_memory
     import services.allocator.policies.turn_model as turn_model
 
-    for module in (capacity, common, dynamo, lp, turn_model, prorsa, reactive, step_memory):
+    for module in (capacity, common, dynamo, lp, outlook, turn_model, prorsa, reactive, step_memory):
         source = open(module.__file__).read()  # noqa: SIM115
         for banned in (
             "import asyncio",

@@ -27,8 +27,11 @@ from proto import (
     TurnSubmitted,
 )
 from services.allocator.observed import QueueDepth, RecentLoad, RecentWindow, build_view
+from services.allocator.policies.prorsa import ProrsaPolicy
+from services.allocator.policies.turn_model import TurnShape
 from services.allocator.service import AllocatorService
 from services.runtime.nats_server import EmbeddedNatsServer
+from tests.outlook_support import outlook_forecast
 
 SUBJECTS = Subjects()
 KV_CAPACITY = 1_000_000
@@ -277,6 +280,32 @@ async def test_forecasts_and_request_events_reach_the_policy_view(bus) -> None:
         stale = DemandForecast(ts_s=time.time() - 60.0, predictor="test", horizons=[horizon])
         await nc.publish(SUBJECTS.forecast, proto.encode(stale))
         await until(lambda: svc.last_view is not None and svc.last_view.forecast is None)
+    finally:
+        await stop_all(svc, engines)
+
+
+async def test_the_policy_decides_from_the_outlook_of_a_forecast_on_the_bus(bus) -> None:
+    """Demand reaches the allocator one way: a forecast whose outlook holds 64 live trajectories (all new: a step
+    starts), tool calls of 3 s and 30k-token contexts ahead. The service subscribes to no tracker snapshot; the
+    prorsa policy takes N, the turn and the step's mix from the outlook and scores the splits for them."""
+    url, nc, _ = bus
+    engines = await fleet(nc, {"e0": "prefill", "e1": "decode"})
+    svc = allocator(url, policy="prorsa", forecast_stale_s=5.0, profile="deepseek-v3.2")
+    await svc.start()
+    try:
+        assert SUBJECTS.snapshot not in svc.consumed
+        await until(lambda: svc.policy is not None and svc.counters["decisions"] > 0)
+        assert svc.policy.last_scores == {}  # type: ignore[union-attr]  # no demand yet: nothing to score
+        shape = TurnShape(new_tokens=2_000, output_tokens=200, context_tokens=30_000, tool_s=3.0)
+        fc = outlook_forecast({"general": 64}, shape, started_total=64, now=time.time(), finished_per_s=0.2)
+        await nc.publish(SUBJECTS.forecast, proto.encode(fc))
+        policy = svc.policy
+        assert isinstance(policy, ProrsaPolicy)
+        await until(lambda: bool(policy.last_scores), what=lambda: f"view {svc.last_view}")
+        assert svc.last_view is not None and svc.last_view.forecast == fc
+        assert policy.last_shape is not None and policy.last_shape.tool_s == 3.0
+        assert policy.last_shape.context_tokens == 30_000
+        assert policy.memory.expected_next() == ("general",) and policy._finish_rate > 0
     finally:
         await stop_all(svc, engines)
 

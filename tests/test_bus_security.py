@@ -118,7 +118,10 @@ SUBSCRIBE: dict[str, tuple[str, ...]] = {
     "prorsa.cmd.engine-0": (*ENGINES, "operator"),
     "prorsa.cmd.engine-1": ("engine", "operator"),
     "prorsa.ack.engine-0": ("trainer", "allocator", "operator"),
-    "prorsa.tracker.snapshot": ("forecaster", "allocator", "operator"),
+    "prorsa.tracker.snapshot": (
+        "forecaster",
+        "operator",
+    ),  # not the allocator: demand reaches it in the forecast
     "prorsa.forecast": ("trainer", "allocator", "operator"),
     "prorsa.allocator.plan": ("trainer", "operator"),
     "prorsa.policy.version": (*ENGINES, "operator"),

@@ -17,7 +17,9 @@ import services.forecaster.ensemble as ensemble_mod
 import services.forecaster.learner as learner_mod
 import services.forecaster.lifecycle as lifecycle_mod
 import services.forecaster.lifecycle_model as lifecycle_model_mod
+import services.forecaster.lifecycle_outlook as lifecycle_outlook_mod
 import services.forecaster.lifecycle_tables as lifecycle_tables_mod
+import services.forecaster.outlook as outlook_mod
 import services.forecaster.picture as picture_mod
 import services.forecaster.series as series_mod
 import services.forecaster.simple as simple_mod
@@ -44,7 +46,9 @@ def test_core_modules_import_no_io_clock_or_random() -> None:
         learner_mod,
         lifecycle_mod,
         lifecycle_model_mod,
+        lifecycle_outlook_mod,
         lifecycle_tables_mod,
+        outlook_mod,
         picture_mod,
         series_mod,
         simple_mod,

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from proto import LifecycleSnapshot, TrajectoryFeatures
 from services.allocator.capacity import CapacityModel
 from services.allocator.policies.common import Split, make_capacity
 from services.allocator.policies.turn_model import (
@@ -20,6 +19,7 @@ from services.allocator.policies.turn_model import (
 )
 from services.allocator.policy import ClusterView, EngineView, PolicyError
 from services.allocator.registry import make_policy
+from tests.outlook_support import outlook_forecast
 
 PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
 DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000, tool_s=1.0)
@@ -188,31 +188,6 @@ def engine(i: int, role: str, batch: int = 0, work: int = 0) -> EngineView:
     )
 
 
-def snapshot(n: int, ts: float, in_tool: int) -> LifecycleSnapshot:
-    states = ["tool_call"] * in_tool + ["decode"] * (n - in_tool)
-    trajs = [
-        TrajectoryFeatures(
-            traj_id=f"t{i}",
-            task="general",
-            state=s,
-            time_in_state_s=1.0,
-            turn=5,
-            context_tokens=40_000,
-            generated_this_turn=0,
-        )
-        for i, s in enumerate(states)
-    ]
-    counts = {"tool_call": in_tool, "decode": n - in_tool}
-    return LifecycleSnapshot(
-        ts_s=ts,
-        seq=int(ts),
-        counts=counts,
-        counts_by_task={"general": counts},
-        context_tokens_by_state={},
-        trajectories=trajs,
-    )
-
-
 def view(
     roles: list[str],
     now: float,
@@ -233,7 +208,7 @@ def view(
         decode_queue_len=0,
         prefill_tokens_per_s=rate * shape.new_tokens,
         decode_tokens_per_s=rate * shape.output_tokens,
-        snapshot=snapshot(n, now, in_tool=int(rate * shape.tool_s)),
+        forecast=outlook_forecast({"general": n}, shape, in_tool=int(rate * shape.tool_s), now=now),
         recent_window_s=5.0,
         recent_requests=int(rate * 5),
         recent_mean_isl_tokens=shape.new_tokens + shape.output_tokens,
@@ -417,7 +392,7 @@ def test_a_new_population_starts_its_own_context_estimate() -> None:
     policy = make_policy("prorsa", 8, profile="deepseek-v3.2")
     roles = ["prefill"] * 5 + ["decode"] * 3
     policy.decide(view(roles, 5.0, shape=TurnShape(2350, 183, 90_000, 2.1), n=64))
-    policy.decide(view(roles, 10.0, n=64, snapshot=snapshot(0, 10.0, in_tool=0), recent_requests=0))
+    policy.decide(view(roles, 10.0, n=64, forecast=outlook_forecast({}, now=10.0), recent_requests=0))
     policy.decide(view(roles, 15.0, shape=TurnShape(2350, 183, 6_000, 2.1), n=511))
     assert policy.last_shape is not None and policy.last_shape.context_tokens == pytest.approx(6_000)
     policy.decide(view(roles, 20.0, shape=TurnShape(2350, 183, 7_000, 2.1), n=511))

@@ -81,9 +81,22 @@ def test_the_feed_never_sees_an_event_after_now() -> None:
     assert result.to_json() == run_simulation(SMALL).to_json()
 
 
-def test_prorsa_views_carry_a_forecast_and_a_snapshot_of_now() -> None:
+def test_prorsa_views_carry_a_forecast_whose_outlook_is_the_snapshot_of_now() -> None:
+    """The policy's view holds the forecast alone; its outlook counts the live trajectories the tracker's snapshot
+    (the forecaster's input, never the policy's) held at the decision, phase by phase."""
     profile = load_profile(SMALL.profile)
     policy = make_policy("prorsa", SMALL.engines, profile=profile)
+    recorded, feed = live_feed(SMALL, _load_workload(SMALL))
+    snapshots: dict[int, LifecycleSnapshot] = {}  # id(forecast) -> the snapshot it was made from
+    at = feed.at
+
+    def spy_at(now: float, engines):  # type: ignore[no-untyped-def]
+        fc = at(now, engines)
+        assert feed.last_snapshot is not None
+        snapshots[id(fc)] = feed.last_snapshot
+        return fc
+
+    feed.at = spy_at  # type: ignore[method-assign]
     views: list[ClusterView] = []
     plan = policy.plan
 
@@ -92,15 +105,21 @@ def test_prorsa_views_carry_a_forecast_and_a_snapshot_of_now() -> None:
         return plan(view)
 
     policy.plan = spy  # type: ignore[method-assign]
-    simulate(SMALL, policy, profile, _load_workload(SMALL))
+    simulate(SMALL, policy, profile, recorded, feed=feed)
     assert len(views) > 10
+    assert not hasattr(views[0], "snapshot")
     for v in views:
-        assert isinstance(v.forecast, DemandForecast) and isinstance(v.snapshot, LifecycleSnapshot)
-        assert v.forecast.ts_s == v.now and v.snapshot.ts_s == v.now
-        assert [h.horizon_s for h in v.forecast.horizons] == [5.0, 10.0, 30.0]
-    # Once trajectories run, the forecaster sees decode demand ahead.
+        fc = v.forecast
+        assert isinstance(fc, DemandForecast) and fc.ts_s == v.now
+        snap = snapshots[id(fc)]
+        assert snap.ts_s == v.now and fc.started_total == snap.started_total
+        assert [h.horizon_s for h in fc.horizons] == [5.0, 10.0, 30.0] and fc.outlook_horizon_s == 5.0
+        for phase in ("queued", "prefill", "decode", "tool_call"):
+            assert sum(getattr(t, phase) for t in fc.outlook) == snap.counts.get(phase, 0)
+        assert {t.task for t in fc.outlook} == {k for k, c in snap.counts_by_task.items() if sum(c.values())}
+    # Once trajectories run, the forecaster sees decode demand ahead, and turns and their contexts.
     assert any(h.decode_tokens.q50 > 0 for v in views for h in v.forecast.horizons)
-    assert any(v.snapshot.counts.get("decode", 0) > 0 for v in views)
+    assert any(t.decode > 0 and t.context_tokens.observed > 0 for v in views for t in v.forecast.outlook)
 
 
 def test_policies_without_forecasts_build_no_feed_and_keep_the_users_observer() -> None:

@@ -60,6 +60,68 @@ def test_the_record_samples_kv_at_decisions() -> None:
     assert truth.forecast(16.0).horizons[0].kv_tokens.q50 == 0.0  # past the recorded run's end
 
 
+def test_the_truth_outlook_is_this_runs_present_and_the_recorded_runs_turns_ahead() -> None:
+    """The outlook a truth-fed pass reads: the live trajectories by phase and the starts of the pass itself, the
+    turns, tool calls and finishes of the recorded pass over (now, now + the shortest horizon]."""
+    recorded = DemandRecord()
+    _events(
+        recorded,
+        [
+            ("trajectory_started", "a", 0.0, {"task": "general", "step": 0}),
+            ("turn_submitted", "a", 0.0, {"turn": 0, "context_tokens": 1000, "new_tokens": 1000}),
+            ("decode_started", "a", 1.0, {"turn": 0, "output_tokens": 50}),
+            ("tool_call_start", "a", 2.0, {"turn": 0, "latency_s": 2.0}),
+            ("turn_submitted", "a", 4.0, {"turn": 1, "context_tokens": 1150, "new_tokens": 100}),
+            ("request_migrated", "a", 4.5, {"turn": 1, "decoded_tokens": 0}),
+            ("decode_started", "a", 5.0, {"turn": 1, "output_tokens": 70}),
+            (
+                "decode_started",
+                "a",
+                5.5,
+                {"turn": 1, "output_tokens": 60},
+            ),  # after a migration: the rest only
+            ("trajectory_started", "b", 1.0, {"task": "math", "step": 0}),
+            ("turn_submitted", "b", 1.0, {"turn": 0, "context_tokens": 300, "new_tokens": 300}),
+            ("decode_started", "b", 1.5, {"turn": 0, "output_tokens": 10}),
+            ("trajectory_finished", "b", 3.0, {"turns": 1, "completion_s": 2.0}),
+        ],
+    )
+    truth = recorded.truth(end_s=10.0, grid_s=1.0, horizons_s=(5.0, 10.0))
+    present = DemandRecord()  # the running pass, 0.5 s in: "a" decoding, "b" waiting for its prefill
+    _events(
+        present,
+        [
+            ("trajectory_started", "a", 0.0, {"task": "general", "step": 0}),
+            ("turn_submitted", "a", 0.0, {"turn": 0, "context_tokens": 1000, "new_tokens": 1000}),
+            ("decode_started", "a", 0.4, {"turn": 0, "output_tokens": 50}),
+            ("trajectory_started", "b", 0.5, {"task": "math", "step": 0}),
+            ("turn_submitted", "b", 0.5, {"turn": 0, "context_tokens": 300, "new_tokens": 300}),
+        ],
+    )
+    fc = truth.forecast(0.5, present.present)
+    assert fc.outlook_horizon_s == 5.0 and fc.started_total == 2
+    general, math = fc.outlook
+    assert (general.task, general.decode, general.live) == ("general", 1, 1)
+    assert (math.task, math.prefill, math.live) == ("math", 1, 1)
+    # general over (0.5, 5.5]: its second turn (100 new tokens, a 1,150-token context, 70 output tokens: the
+    # first decode's), the tool call of 2 s before it; nobody finishes
+    assert general.turns.mean == general.turns.q10 == general.turns.q90 == 1.0
+    assert general.new_tokens.mean == 100.0 and general.context_tokens.mean == 1150.0
+    assert general.output_tokens.mean == 70.0 and general.tool_s.mean == 2.0 and general.tool_s.observed == 1
+    assert general.finished.mean == 0.0
+    # math: its first turn at 1.0 and the trajectory's end at 3.0 fall within; no tool call
+    assert (math.turns.mean, math.finished.mean, math.output_tokens.mean) == (1.0, 1.0, 10.0)
+    assert math.tool_s.observed == 0
+    # later, past the recorded turns: a live task with nothing ahead
+    late = truth.forecast(6.0, present.present).outlook[0]
+    assert late.turns.mean == 0.0 and late.context_tokens.observed == 0
+    # the present follows the pass: "a" into a tool call, "b" finished
+    _events(present, [("tool_call_start", "a", 2.0, {"turn": 0, "latency_s": 2.0})])
+    _events(present, [("trajectory_finished", "b", 3.0, {"turns": 1, "completion_s": 2.5})])
+    (only,) = truth.forecast(3.0, present.present).outlook
+    assert (only.task, only.tool_call, only.live) == ("general", 1, 1)
+
+
 @pytest.fixture(scope="module")
 def truth_json() -> dict[str, Any]:
     return run_simulation(SMALL).to_json()

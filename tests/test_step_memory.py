@@ -5,83 +5,61 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import pytest
 
-from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles, TrajectoryFeatures
+from proto import DemandForecast, HorizonForecast, Quantiles
 from services.allocator.policies.common import Split, make_capacity
 from services.allocator.policies.step_memory import Segment, StepMemory, compress, model_error
 from services.allocator.policies.turn_model import TurnShape, turn_time
 from services.allocator.policy import ClusterView, EngineView, Plan
 from services.allocator.registry import make_policy
+from tests.outlook_support import outlook_forecast
 
 PREFILL_HEAVY = TurnShape(new_tokens=2400, output_tokens=200, context_tokens=40_000, tool_s=2.0)
 DECODE_HEAVY = TurnShape(new_tokens=60, output_tokens=3000, context_tokens=6_000, tool_s=1.0)
 
 
-def population(
-    step: int,
-    n: int,
-    task: str = "general",
-    turn: int = 0,
-    ts: float = 0.0,
-    in_tool: int = 0,
-    started: int | None = None,
-) -> LifecycleSnapshot:
+class Population(NamedTuple):
+    """What the step memory reads of the forecast's outlook: the tracker's count of trajectories started and the
+    live trajectories per task."""
+
+    started_total: int
+    live_by_task: dict[str, int]
+
+
+def population(step: int, n: int, task: str = "general", started: int | None = None) -> Population:
     """Step `step`'s n live trajectories; the tracker has seen `started` start (default: n per step so far)."""
-    trajs = [
-        TrajectoryFeatures(
-            traj_id=f"s{step}-t{i}",
-            task=task,
-            state="tool_call" if i < in_tool else "decode",
-            time_in_state_s=1.0,
-            turn=turn,
-            context_tokens=4_000,
-            generated_this_turn=0,
-        )
-        for i in range(n)
-    ]
-    return LifecycleSnapshot(
-        ts_s=ts,
-        seq=int(ts),
-        counts={"decode": n - in_tool, "tool_call": in_tool},
-        counts_by_task={task: {"decode": n - in_tool, "tool_call": in_tool}},
-        context_tokens_by_state={},
-        trajectories=trajs,
-        started_total=(step + 1) * n if started is None else started,
-    )
+    return Population((step + 1) * n if started is None else started, {task: n} if n else {})
 
 
-def merged(*snaps: LifecycleSnapshot, started: int) -> LifecycleSnapshot:
-    trajs = [t for s in snaps for t in s.trajectories]
-    by_task: dict[str, dict[str, int]] = {}
-    for t in trajs:
-        by_task.setdefault(t.task, {}).setdefault(t.state, 0)
-        by_task[t.task][t.state] += 1
-    return LifecycleSnapshot(
-        ts_s=snaps[0].ts_s,
-        seq=snaps[0].seq,
-        counts={"decode": len(trajs)},
-        counts_by_task=by_task,
-        context_tokens_by_state={},
-        trajectories=trajs,
-        started_total=started,
-    )
+def merged(*pops: Population, started: int) -> Population:
+    by_task: dict[str, int] = {}
+    for p in pops:
+        for task, n in p.live_by_task.items():
+            by_task[task] = by_task.get(task, 0) + n
+    return Population(started, by_task)
+
+
+def outlook(pop: Population, shape: TurnShape | None = None, in_tool: int = 0) -> DemandForecast:
+    """A forecast that carries only the outlook of `pop` (no horizons: no risk scenarios), its turns of `shape`."""
+    return outlook_forecast(pop.live_by_task, shape, pop.started_total, in_tool)
 
 
 def test_a_step_starts_once_when_most_live_trajectories_are_new_and_latecomers_join_it() -> None:
     memory = StepMemory()
-    assert memory.step_started(population(0, 10)) == ("general",)
-    assert memory.step_started(population(0, 10)) is None  # the same population
+    assert memory.step_started(*population(0, 10)) == ("general",)
+    assert memory.step_started(*population(0, 10)) is None  # the same population
     # four latecomers of the same step arrive beside the ten: a minority, so they join the running step
-    assert memory.step_started(merged(population(0, 10), population(9, 4), started=14)) is None
-    assert memory.step_started(merged(population(0, 2), population(9, 4), started=14)) is None
+    assert memory.step_started(*merged(population(0, 10), population(9, 4), started=14)) is None
+    assert memory.step_started(*merged(population(0, 2), population(9, 4), started=14)) is None
     # the next step's batch: all new
-    assert memory.step_started(population(1, 10, started=24)) == ("general",)
+    assert memory.step_started(*population(1, 10, started=24)) == ("general",)
     # a batch whose first half came at one snapshot and second half at the next is one step, as long as the
     # second half is a minority of those live (half of 20 is not: it would open another)
-    assert memory.step_started(population(2, 12, started=36)) == ("general",)
-    assert memory.step_started(merged(population(2, 12), population(2, 4), started=40)) is None
+    assert memory.step_started(*population(2, 12, started=36)) == ("general",)
+    assert memory.step_started(*merged(population(2, 12), population(2, 4), started=40)) is None
 
 
 def test_records_are_kept_per_task_mix_and_close_when_the_next_step_starts() -> None:
@@ -89,21 +67,21 @@ def test_records_are_kept_per_task_mix_and_close_when_the_next_step_starts() -> 
     memory.record(
         5.0, PREFILL_HEAVY, 10.0, 50.0, 50.0, Split(2, 6)
     )  # before any step: nothing to attach it to
-    assert memory.step_started(population(0, 10, task="general")) == ("general",)
+    assert memory.step_started(*population(0, 10, task="general")) == ("general",)
     for _ in range(4):
         memory.record(5.0, PREFILL_HEAVY, 10.0, 55.0, 50.0, Split(2, 6))
     assert memory.last(("general",)) is None  # still running
-    assert memory.step_started(population(1, 10, task="math")) == ("math",)
+    assert memory.step_started(*population(1, 10, task="math")) == ("math",)
     memory.record(3.0, DECODE_HEAVY, 10.0, 50.0, 50.0, Split(0, 0, 8))
     general = memory.last(("general",))
     assert general is not None and sum(s.turns for s in general) == pytest.approx(20.0)
     assert model_error(general) == pytest.approx(math.log(220.0 / 200.0))  # lived 220 s, projected 200 s
-    assert memory.step_started(population(2, 10, task="general")) == ("general",)
+    assert memory.step_started(*population(2, 10, task="general")) == ("general",)
     math_record = memory.last(("math",))
     assert math_record is not None and math_record[0].shape == DECODE_HEAVY
     # a step mixing both tasks is a mix of its own
     both = merged(population(3, 6, task="general"), population(3, 6, task="math"), started=12)
-    assert StepMemory().step_started(both) == ("general", "math")
+    assert StepMemory().step_started(*both) == ("general", "math")
 
 
 def test_compress_keeps_the_turns_and_their_weighted_means() -> None:
@@ -144,7 +122,6 @@ def step_view(
     roles: list[str],
     now: float,
     step: int,
-    turn: int,
     shape: TurnShape,
     n: int = 64,
     split_slowdown: float = 1.0,
@@ -156,7 +133,7 @@ def step_view(
     split = Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed"))
     slowdown = mixed_slowdown if split.mixed else split_slowdown
     rate = n / (slowdown * turn_time(split, shape, n, make_capacity("deepseek-v3.2")).turn_s)
-    snap = population(step, n, turn=turn, ts=now, in_tool=round(rate * shape.tool_s))
+    pop = population(step, n)
     return ClusterView(
         now=now,
         engines=engines(roles),
@@ -164,7 +141,7 @@ def step_view(
         decode_queue_len=0,
         prefill_tokens_per_s=rate * shape.new_tokens,
         decode_tokens_per_s=rate * shape.output_tokens,
-        snapshot=snap,
+        forecast=outlook(pop, shape, in_tool=round(rate * shape.tool_s)),
         # whole turns in the window: the window is as long as they take (the policy reads rates from it)
         recent_window_s=max(1, round(rate * 5)) / rate,
         recent_requests=max(1, round(rate * 5)),
@@ -197,7 +174,6 @@ def run_step(
             roles,
             t0 + 5.0 * k,
             step,
-            0 if k == 0 else 3,
             shape,
             split_slowdown=slowdown,
             mixed_slowdown=mixed_slowdown,
@@ -316,7 +292,7 @@ def idle_view(roles: list[str], now: float) -> ClusterView:
         decode_queue_len=0,
         prefill_tokens_per_s=0.0,
         decode_tokens_per_s=0.0,
-        snapshot=population(99, 0, ts=now),
+        forecast=outlook(population(99, 0)),
         recent_window_s=5.0,
     )
 
@@ -330,6 +306,7 @@ def arrivals(now: float, shape: TurnShape, turns_per_s: float = 20.0) -> DemandF
     return DemandForecast(
         ts_s=now,
         predictor="test",
+        outlook_horizon_s=5.0,  # with nobody live
         horizons=[
             HorizonForecast(
                 horizon_s=30.0,
@@ -365,11 +342,11 @@ def test_between_synchronous_steps_the_next_steps_split_is_set_while_the_cluster
 def test_the_expected_next_mix_is_the_one_that_followed_last_time() -> None:
     memory = StepMemory()
     assert memory.expected_next() is None
-    memory.step_started(population(0, 4, task="general"))
+    memory.step_started(*population(0, 4, task="general"))
     assert memory.expected_next() == ("general",)  # nothing followed it yet: the same again
-    memory.step_started(population(0, 0))  # the step ends
-    memory.step_started(population(1, 4, task="math"))
-    memory.step_started(population(2, 4, task="general"))
+    memory.step_started(*population(0, 0))  # the step ends
+    memory.step_started(*population(1, 4, task="math"))
+    memory.step_started(*population(2, 4, task="general"))
     assert memory.expected_next() == ("math",)  # general was followed by math last time
 
 

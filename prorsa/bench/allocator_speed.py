@@ -7,10 +7,12 @@ Every decision gets a different view (seeded random roles, queues, batches, KV) 
 so neither hysteresis nor any cache makes later decisions cheaper than the first. The time measured is
 `policy.decide(view)` — what the allocator service and the simulator call every interval. Building the view is not
 timed (the service builds it from messages it already holds). Dynamo refits its ARIMA predictors on its slow
-interval (60 s of view time = every 12th decision); statsmodels is imported before timing starts. Every
-`step_every` decisions a new RL step starts (a snapshot of new trajectories), so the decisions timed include
+interval (60 s of view time = every 12th decision); statsmodels is imported before timing starts. The forecast
+carries the demand outlook of `trajectories` live trajectories (what prorsa reads of them: per task, counts by
+phase and the turns ahead — no per-trajectory list reaches the allocator). Every `step_every` decisions a new RL
+step starts (the tracker's count of started trajectories jumps by a batch), so the decisions timed include
 prorsa's step starts, which replay the last step through the turn model for the splits measured on its mix (the
-full search over every candidate runs only while the cluster idles, which a live snapshot never shows).
+full search over every candidate runs only while the cluster idles, which a live population never shows).
 Target: ≤ 20 ms p99 at 256 engines.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles, TrajectoryFeatures
+from proto import DemandForecast, Estimate, HorizonForecast, Quantiles, TaskOutlook
 from services.allocator.policy import ClusterView, EngineView
 from services.allocator.registry import make_policy
 
@@ -45,8 +47,15 @@ def _quantiles(x: float) -> Quantiles:
     return Quantiles(q10=0.8 * x, q50=x, q90=1.25 * x)
 
 
-def random_forecast(rng: np.random.Generator, n: int, now: float) -> DemandForecast:
-    """Demand of the order of what `n` engines serve, in a random prefill : decode mix."""
+Outlook = tuple[
+    list[TaskOutlook], int
+]  # the forecast's outlook and the tracker's count of started trajectories
+
+
+def random_forecast(
+    rng: np.random.Generator, n: int, now: float, outlook: Outlook | None = None
+) -> DemandForecast:
+    """Demand of the order of what `n` engines serve, in a random prefill : decode mix, with `outlook`."""
     prefill_rate = float(rng.uniform(0.1, 1.0)) * n * 25_000.0  # prompt tokens/s
     concurrency = float(rng.uniform(0.2, 1.0)) * n * 150.0
     decode_rate = concurrency * 25.0  # ~25 tokens/s per sequence
@@ -61,44 +70,44 @@ def random_forecast(rng: np.random.Generator, n: int, now: float) -> DemandForec
         )
         for h in HORIZONS_S
     ]
-    return DemandForecast(ts_s=now, predictor="bench", horizons=horizons)
-
-
-def random_snapshot(
-    rng: np.random.Generator, trajectories: int, now: float, step: int = 0
-) -> LifecycleSnapshot:
-    """The tracker's picture of `trajectories` live trajectories of RL step `step`, in random phases and turns."""
-    states = rng.choice(
-        ["queued", "prefill", "decode", "tool_call"], size=trajectories, p=[0.05, 0.05, 0.5, 0.4]
-    )
-    counts = {s: int((states == s).sum()) for s in ("queued", "prefill", "decode", "tool_call")}
-    trajs = [
-        TrajectoryFeatures(
-            traj_id=f"s{step}-t{i}",
-            task="general",
-            state=str(st),
-            time_in_state_s=1.0,
-            turn=int(rng.integers(0, 30)),
-            context_tokens=int(rng.integers(1_000, 60_000)),
-            generated_this_turn=0,
-        )
-        for i, st in enumerate(states)
-    ]
-    return LifecycleSnapshot(
+    tasks, started = outlook if outlook is not None else ([], 0)
+    return DemandForecast(
         ts_s=now,
-        seq=int(now),
-        counts=counts,
-        counts_by_task={"general": counts},
-        context_tokens_by_state={},
-        trajectories=trajs,
-        finished_total=int(now),
-        started_total=(step + 1) * trajectories,  # each step is a fresh batch
+        predictor="bench",
+        horizons=horizons,
+        outlook=tasks,
+        outlook_horizon_s=5.0 if outlook is not None else 0.0,
+        started_total=started,
     )
 
 
-def random_view(
-    rng: np.random.Generator, n: int, now: float, snapshot: LifecycleSnapshot | None = None
-) -> ClusterView:
+def _figure(x: float, observed: int = 1000) -> Estimate:
+    return Estimate(mean=x, q10=0.5 * x, q50=0.9 * x, q90=1.8 * x, observed=observed)
+
+
+def random_outlook(rng: np.random.Generator, trajectories: int, step: int = 0) -> Outlook:
+    """The outlook of `trajectories` live trajectories of RL step `step` (one task) in random phases."""
+    if not trajectories:
+        return [], 0
+    q, p, d, t = (int(v) for v in rng.multinomial(trajectories, [0.05, 0.05, 0.5, 0.4]))
+    cycle_s = float(rng.uniform(5.0, 30.0))
+    task = TaskOutlook(
+        task="general",
+        queued=q,
+        prefill=p,
+        decode=d,
+        tool_call=t,
+        turns=_figure(trajectories * 5.0 / cycle_s, trajectories),
+        finished=_figure(trajectories * 5.0 / cycle_s / 30.0, trajectories),
+        new_tokens=_figure(float(rng.uniform(100, 3_000))),
+        output_tokens=_figure(float(rng.uniform(100, 2_000))),
+        context_tokens=_figure(float(rng.uniform(1_000, 60_000)), trajectories),
+        tool_s=_figure(float(rng.uniform(0.2, 5.0))),
+    )
+    return [task], (step + 1) * trajectories  # each step is a fresh batch
+
+
+def random_view(rng: np.random.Generator, n: int, now: float, outlook: Outlook | None = None) -> ClusterView:
     """A cluster of `n` engines split at random between prefill and decode, with queues and running work."""
     engines = []
     for i in range(n):
@@ -129,8 +138,7 @@ def random_view(
         decode_queue_len=int(rng.integers(0, 50)),
         prefill_tokens_per_s=float(rng.uniform(0, n * 20_000)),
         decode_tokens_per_s=float(rng.uniform(0, n * 3_000)),
-        forecast=random_forecast(rng, n, now),
-        snapshot=snapshot,
+        forecast=random_forecast(rng, n, now, outlook),
         recent_window_s=5.0,
         recent_requests=int(rng.integers(0, 50 * n)),
         recent_mean_isl_tokens=float(rng.uniform(200, 4_000)),
@@ -148,19 +156,13 @@ def bench(
     step_every: int = 60,
 ) -> Timing:
     """Time `decisions` calls of `decide` for policy `spec` on fresh random views (5 s of view time apart), each
-    with a tracker snapshot of `trajectories` live trajectories (a few distinct ones per RL step, reused:
-    building 10k features per view is the tracker's cost, not the decision's); a new step every `step_every`."""
+    with a forecast whose outlook holds `trajectories` live trajectories; a new step every `step_every`."""
     rng = np.random.default_rng(seed)
     policy = make_policy(spec, engines)
     per_step = max(step_every, 1)
-    snaps = [
-        [random_snapshot(rng, trajectories, 5.0 * (k + 1), step) for k in range(4)]
-        if trajectories
-        else [None]
-        for step in range(-(-decisions // per_step))
-    ]
+    outlooks = [random_outlook(rng, trajectories, step) for step in range(-(-decisions // per_step))]
     views = [
-        random_view(rng, engines, 5.0 * (k + 1), snaps[k // per_step][k % len(snaps[0])])
+        random_view(rng, engines, 5.0 * (k + 1), outlooks[k // per_step] if trajectories else None)
         for k in range(decisions)
     ]
     times: list[float] = []
@@ -190,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Decision latency of the allocator policies")
     parser.add_argument("--engines", type=int, default=256)
     parser.add_argument("--decisions", type=int, default=300)
-    parser.add_argument("--trajectories", type=int, default=10_000, help="live trajectories in each snapshot")
+    parser.add_argument("--trajectories", type=int, default=10_000, help="live trajectories in each outlook")
     parser.add_argument("--step-every", type=int, default=60, help="decisions per RL step (60: 5 min)")
     parser.add_argument("--policies", default="prorsa,reactive,dynamo")
     parser.add_argument("--seed", type=int, default=0)

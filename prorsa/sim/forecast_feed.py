@@ -11,8 +11,9 @@ their runs cost exactly what they did. Wiring (all in virtual time):
     tick: the queued messages before w, each decoding request's progress by w (linear between its reports, the
     last of which is the one at `now` or earlier), the messages at w, applied to the `TrackerCore` and the
     `ForecasterCore`. Then `tracker.expire(now)`, the snapshot, `observe_snapshot(snapshot, now,
-    pending=<hints>)`, the forecast, and a refit inline when the core says one is due (virtual time does not
-    move while a model fits).
+    pending=<hints>)`, the forecast (with its demand outlook: the policy reads the live trajectories there, never
+    the snapshot), and a refit inline when the core says one is due (virtual time does not move while a model
+    fits).
 Why not the forecast-eval's way: there, messages are held until every decoding request has reported again after
 the tick, and progress is interpolated between two reports — the later one lies in the future of the tick. A
 decision cannot wait for the future, so the feed reads the engine's state at `now` instead, and never sees an
@@ -127,6 +128,7 @@ class ForecastFeed:
         self.decisions = 0
         self.refits = 0
         self.bad_rejections: dict[str, int] = {}  # tracker rejections other than duplicate/stale/late
+        self.last_snapshot: LifecycleSnapshot | None = None  # the forecaster's input at the last decision
 
     def on_event(self, kind: str, traj_id: str, now: float, **f: Any) -> None:
         self.last_event_s = now
@@ -139,8 +141,9 @@ class ForecastFeed:
         elif kind == "trajectory_finished":
             self.schedule.finished(self._step_of.pop(traj_id, 0), now)
 
-    def at(self, now: float, engines: Iterable[SimEngine]) -> tuple[LifecycleSnapshot, DemandForecast]:
-        """The tracker's snapshot and the forecast at `now`, from what happened up to `now` (module header)."""
+    def at(self, now: float, engines: Iterable[SimEngine]) -> DemandForecast:
+        """The forecast at `now`, from what happened up to `now` (module header); the tracker's snapshot it was
+        made from stays in `last_snapshot`."""
         self.bridge.report_now(now, engines)
         w = self.core.window_s
         while self._next_window * w < now:  # the series windows closed since the last decision
@@ -149,7 +152,7 @@ class ForecastFeed:
         self._flush(now)
         self._next_window = math.floor(now / w) + 1
         self.tracker.expire(now)
-        snapshot = self.tracker.snapshot(now)
+        snapshot = self.last_snapshot = self.tracker.snapshot(now)
         pending = self.schedule.pending(now) if self.schedule is not None else ()
         self.core.observe_snapshot(snapshot, now, pending=pending)
         forecast = self.core.forecast(now)
@@ -157,7 +160,7 @@ class ForecastFeed:
             self.core.refit(now)  # inline: in virtual time a refit takes no time
             self.refits += 1
         self.decisions += 1
-        return snapshot, forecast
+        return forecast
 
     def _flush(self, t: float) -> None:
         """Apply the messages up to `t`, with each decoding request's progress by `t` interpolated between its

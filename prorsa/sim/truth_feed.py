@@ -10,7 +10,9 @@ its own future. Passes:
      `DemandLedger` definitions — decoding sequences over time, and the KV they hold at each decision);
   k. (k >= 2) run the policy with `ClusterView.forecast` built from pass k-1's record: for each decision at t and
      horizon h, the realised prefill and decode tokens over (t, t+h], the mean decoding sequences over (t, t+h] and
-     the KV at t+h, with q10 = q50 = q90 = truth (`TruthForecast`);
+     the KV at t+h, with q10 = q50 = q90 = truth (`TruthForecast`); and the demand outlook (`truth_outlook.py`):
+     this pass's live trajectories by phase and starts (the present, as the tracker would report it), and pass
+     k-1's turns, tool calls and finishes over the outlook's horizon (the shortest);
 stopping after 3 passes, or as soon as a truth-fed pass's rollout_s is not shorter than the pass before it. The
 result is the truth-fed pass with the shortest rollout_s (then the lowest average trajectory time): choosing the
 best pass is fair, since any of them is a run of the same policy on the truth of a nearby run. Each pass is deterministic, so `run_truth_fed` is too. A user's
@@ -33,7 +35,8 @@ import numpy as np
 from prorsa.forecast_eval.ledger import DemandLedger
 from prorsa.sim.forecast_feed import ForecastFeed, decoded_at, live_feed
 from prorsa.sim.runner import SimConfig, SimResult, _load_workload, simulate
-from proto import DemandForecast, HorizonForecast, LifecycleSnapshot, Quantiles
+from prorsa.sim.truth_outlook import LivePhases, TurnRecord, TurnTruth
+from proto import DemandForecast, HorizonForecast, Quantiles
 from services.allocator.registry import make_policy
 from services.forecaster.series import HORIZONS_S
 
@@ -57,11 +60,15 @@ class DemandRecord:
         self._conc_n: list[int] = [0]  # the number from that time on
         self.kv_t: list[float] = []  # decision times
         self.kv_tokens: list[float] = []  # context tokens held by decoding sequences at each decision
+        self.present = LivePhases()  # this run's live trajectories by phase, and its starts
+        self.turns = TurnRecord()  # this run's turns, tool calls and finishes: the next pass's outlook
 
     def on_event(self, kind: str, traj_id: str, now: float, **f: Any) -> None:
         key = (traj_id, int(f.get("attempt", 0)))
         if key in self._dead:
             return
+        self.present.on_event(kind, traj_id, key[1], f)
+        self.turns.on_event(kind, traj_id, now, key[1], f)
         if kind == "turn_submitted":
             self.ledger.add_prefill(now, int(f["new_tokens"]))
         elif kind == "decode_started":
@@ -116,6 +123,7 @@ class DemandRecord:
             kv=np.array(self.kv_tokens),
             end_s=end_s,
             horizons_s=tuple(horizons_s),
+            turns=self.turns.freeze(),
         )
 
 
@@ -131,8 +139,11 @@ class TruthForecast:
     kv: np.ndarray  # KV tokens of decoding sequences at those times
     end_s: float
     horizons_s: tuple[float, ...]
+    turns: TurnTruth | None = None  # the recorded run's turns, for the outlook (None: no outlook)
 
-    def forecast(self, now: float) -> DemandForecast:
+    def forecast(self, now: float, present: LivePhases | None = None) -> DemandForecast:
+        """The recorded run's demand over each horizon from `now`, and with `present` (the running pass's live
+        trajectories) the outlook over the shortest horizon."""
         horizons = []
         for h in self.horizons_s:
             a, b = np.interp([now, now + h], self.grid_s, self.prefill)
@@ -147,7 +158,20 @@ class TruthForecast:
                     kv_tokens=_exact(self._kv_at(now + h)),
                 )
             )
-        return DemandForecast(ts_s=float(now), predictor="truth", horizons=horizons, snapshot_ts_s=float(now))
+        if present is None or self.turns is None:
+            return DemandForecast(
+                ts_s=float(now), predictor="truth", horizons=horizons, snapshot_ts_s=float(now)
+            )
+        h = min(self.horizons_s)
+        return DemandForecast(
+            ts_s=float(now),
+            predictor="truth",
+            horizons=horizons,
+            snapshot_ts_s=float(now),
+            outlook=self.turns.outlook(now, h, present),
+            outlook_horizon_s=h,
+            started_total=present.started_total,
+        )
 
     def _kv_at(self, t: float) -> float:
         if t > self.end_s or not len(self.kv_t):
@@ -175,14 +199,12 @@ class _PassFeed:
         if self.live is not None:
             self.live.on_event(kind, traj_id, now, **f)
 
-    def at(
-        self, now: float, engines: Iterable[SimEngine]
-    ) -> tuple[LifecycleSnapshot | None, DemandForecast | None]:
+    def at(self, now: float, engines: Iterable[SimEngine]) -> DemandForecast | None:
         engines = list(engines)
         self.record.sample(now, engines)
         if self.live is not None:
             return self.live.at(now, engines)
-        return None, self.truth.forecast(now) if self.truth is not None else None
+        return self.truth.forecast(now, self.record.present) if self.truth is not None else None
 
 
 FIRST_PASS_FORECASTER = "lifecycle"

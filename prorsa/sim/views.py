@@ -3,9 +3,9 @@ allocator's own `services.allocator.observed.build_view` from what it would obse
 
 Rates and request statistics cover the interval since the previous view (the policy's interval), measured from
 cumulative counters. Live, an engine's rates cover its last stats interval (1 s) and its stats are up to that old;
-here they cover the policy's interval and are current. `forecast` and `snapshot` come from a
-`DemandFeed` when the run has one (a policy that reads forecasts: `prorsa.sim.forecast_feed`, or the oracle's truth,
-`prorsa.sim.truth_feed`), else they stay None.
+here they cover the policy's interval and are current. `forecast` (with its demand outlook) comes from a
+`DemandFeed` when the run has one (a policy that reads forecasts: `prorsa.sim.forecast_feed`, or the truth,
+`prorsa.sim.truth_feed`), else it stays None.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 
 class DemandFeed(Protocol):
-    """What fills a view's `snapshot` and `forecast`: asked once per decision, with the engines' state at `now`."""
+    """What fills a view's `forecast`: asked once per decision, with the engines' state at `now`."""
 
-    def at(self, now: float, engines: Iterable[SimEngine]) -> tuple[object | None, object | None]:
-        """(lifecycle snapshot, demand forecast) from what happened up to `now`."""
+    def at(self, now: float, engines: Iterable[SimEngine]) -> object | None:
+        """The demand forecast (with its outlook) from what happened up to `now`."""
         ...
 
 
@@ -53,9 +53,7 @@ class ViewBuilder:
         self._t = now
         stats = {e.engine_id: self._stats(e, now, dt) for e in sim.engines.values()}
         targets = {e.engine_id: e.target_role for e in sim.engines.values() if e.target_role}
-        snapshot, forecast = (
-            self.feed.at(now, sim.engines.values()) if self.feed is not None else (None, None)
-        )
+        forecast = self.feed.at(now, sim.engines.values()) if self.feed is not None else None
         if isinstance(forecast, DemandForecast):
             self.forecasts.append(forecast)
         return build_view(
@@ -66,7 +64,6 @@ class ViewBuilder:
             self._queue_depth(),
             self._recent(dt),
             forecast=forecast,
-            snapshot=snapshot,
         )
 
     def _stats(self, e: SimEngine, now: float, dt: float) -> EngineStats:

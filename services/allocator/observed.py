@@ -126,7 +126,6 @@ def build_view(
     queue: QueueDepth,
     recent: RecentWindow,
     forecast: object | None = None,
-    snapshot: object | None = None,
 ) -> ClusterView:
     """The ClusterView of the engines in `stats` (already filtered to fresh ones); `targets` are unacknowledged
     commands (engine → role) and `applied` acknowledged roles the stats do not show yet."""
@@ -153,7 +152,6 @@ def build_view(
         prefill_tokens_per_s=sum(v.prefill_tokens_per_s for v in engines),
         decode_tokens_per_s=sum(v.decode_tokens_per_s for v in engines),
         forecast=forecast,
-        snapshot=snapshot,
         recent_window_s=recent.window_s,
         recent_requests=recent.requests,
         recent_mean_isl_tokens=recent.mean_isl_tokens,

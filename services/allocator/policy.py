@@ -1,7 +1,7 @@
 """The allocator's policy seam: what a policy sees (`ClusterView`), what it returns (`Plan`); fixed-role policies.
 
 Pure: a policy takes a view of the cluster at `view.now` and returns a plan or None (keep the current roles). The
-same policy objects run in the allocator service (views built from engine stats, forecasts and tracker snapshots)
+same policy objects run in the allocator service (views built from engine stats, request events and forecasts)
 and in the simulator (`prorsa.sim`, views built from its engine models), so a comparison between policies is a
 comparison of decisions, never of plumbing.
 
@@ -76,8 +76,10 @@ class ClusterView:
     decode_queue_len: int  # prefilled requests waiting for a decode slot
     prefill_tokens_per_s: float  # prompt tokens computed per second over the last interval
     decode_tokens_per_s: float  # output tokens generated per second over the last interval
-    forecast: object | None = None  # demand forecast (filled in by the forecaster issue)
-    snapshot: object | None = None  # trajectory lifecycle snapshot (filled in by the tracker issue)
+    # The latest fresh DemandForecast (None: none yet, or stale): demand over the next horizons and its outlook, the
+    # live trajectories and the turns ahead per task — the one road demand takes to a policy (the tracker's
+    # snapshots are the forecaster's input, not a policy's).
+    forecast: object | None = None
     # Optional request-level load since the previous decision (0 = not measured), as Dynamo's planner observes it:
     # the window they cover, requests submitted in it (turns sent for prefill), their mean uncached prompt tokens
     # (ISL), mean prefix tokens served from cache, and the mean output tokens (OSL) of requests finished in it.

@@ -4,7 +4,9 @@ Every `interval_s` (scaled seconds, on `self.clock`) it
 1. forgets commands whose ack is overdue (logged; never re-sent as such — `SwitchCoordinator` rule 2);
 2. builds a `ClusterView` from *fresh* engine stats only (received within `stale_after_s`; stats stamped in the
    future or older than that bound are dropped on arrival), the WORK stream's depth, the request-level load seen on
-   the bus since the last decision, and the latest forecast if it is fresh;
+   the bus since the last decision (lifecycle and engine events: request counts and sizes, as Dynamo's planner
+   observes them), and the latest forecast if it is fresh — the one road demand takes to the policy: its outlook
+   carries the live trajectories and the turns ahead, and the service reads no tracker snapshot;
 3. asks the policy (`decide`) — or, in the start-up phase, applies the policy's `initial_plan` to the engines that
    are idle (a restarted allocator does not upset engines that are working);
 4. turns the target roles into commands through the `SwitchCoordinator` (stale engines left alone, one command in
@@ -40,7 +42,6 @@ from proto import (
     AllocationPlan,
     DemandForecast,
     EngineStats,
-    LifecycleSnapshot,
     Message,
     PrefillDone,
     ProtoError,
@@ -111,7 +112,6 @@ class AllocatorService(Service):
         self.recent = RecentLoad()
         self.forecast: DemandForecast | None = None
         self._forecast_rx_s = 0.0
-        self.snapshot: LifecycleSnapshot | None = None
         self.applied: dict[str, tuple[int, str]] = {}  # engine → (epoch, role) acked, not yet in its stats
         self._initial: dict[str, str] | None = None
         self._initial_until_s = 0.0
@@ -142,7 +142,6 @@ class AllocatorService(Service):
         await self.subscribe(s.all_engine_stats, self._on_stats, EngineStats)
         await self.subscribe(s.all_engine_acks, self._on_ack, RoleSwitchAck)
         await self.subscribe(s.forecast, self._on_forecast, DemandForecast)
-        await self.subscribe(s.snapshot, self._on_snapshot, LifecycleSnapshot)
         if self.observe_events:
             await self.subscribe(s.lifecycle, self._on_lifecycle, LIFECYCLE_MESSAGES)
             await self.subscribe(s.all_engine_events, self._on_engine_event, ENGINE_EVENT_MESSAGES)
@@ -207,10 +206,6 @@ class AllocatorService(Service):
     async def _on_forecast(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, DemandForecast)
         self.forecast, self._forecast_rx_s = msg, self.clock.now_s()
-
-    async def _on_snapshot(self, msg: Message, raw: Msg) -> None:
-        assert isinstance(msg, LifecycleSnapshot)
-        self.snapshot = msg
 
     async def _on_lifecycle(self, msg: Message, raw: Msg) -> None:
         if isinstance(msg, TurnSubmitted):
@@ -283,7 +278,6 @@ class AllocatorService(Service):
             await self._queue_depth(),
             self.recent.take(now),
             forecast=self._fresh_forecast(now),
-            snapshot=self.snapshot,
         )
         self.last_view = view
         target, reason, startup = self._target(view, now)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from proto import DemandForecast, HorizonForecast, Quantiles
+from proto import DemandForecast, HorizonForecast, Quantiles, TaskOutlook
 from services.forecaster.bounds import demand_bound
 from services.forecaster.calibration import Calibrator
 from services.forecaster.picture import QUEUED, Picture
@@ -179,6 +179,12 @@ class Predictor(ABC):
         return demand_bound(
             pic.distributions.limits, pic.n, queued, float(pic.context.sum()), pending, horizons
         )
+
+    def outlook(self, now: float, horizon_s: float) -> list[TaskOutlook] | None:
+        """Per live task, the trajectories by phase and the turns over the next `horizon_s` (`outlook.py`), from this
+        predictor's own model; None (the default: every series predictor) when it has none, and the caller takes
+        the naive rule, the last window's turns (`outlook.window_outlook`)."""
+        return None
 
     @abstractmethod
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:

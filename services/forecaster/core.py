@@ -8,7 +8,9 @@ Wiring (the same in the live service and in the simulator):
   observe_columns(columns, now, ...)
                                  the same for the tracker's columnar snapshot (`TrackerCore.columns`), in process:
                                  no per-trajectory objects, the fast path for 10,000 live trajectories;
-  forecast(now)                  the configured predictor's DemandForecast for the configured horizons;
+  forecast(now)                  the configured predictor's DemandForecast for the configured horizons, with the
+                                 demand outlook the allocator plans from (`outlook.py`: per task, the live
+                                 trajectories by phase and the turns ahead);
   refit_due(now) / refit_job(now) / install(result)
                                  scheduled refits: the job is a pure callable over copied data, safe to run on a
                                  worker thread while the core keeps serving with the last fitted models;
@@ -27,10 +29,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proto import DemandForecast, LifecycleSnapshot
+from proto import DemandForecast, LifecycleSnapshot, TaskOutlook
 from services.forecaster.base import Predictor, make_predictor, resolve_name
 from services.forecaster.distributions import Distributions
 from services.forecaster.learner import EventLearner
+from services.forecaster.outlook import window_outlook
 from services.forecaster.picture import (
     PendingArrival,
     Picture,
@@ -133,13 +136,26 @@ class ForecasterCore:
         self.last_snapshot_ts_s = pic.ts_s
 
     def forecast(self, now: float, horizons: Sequence[float] | None = None) -> DemandForecast:
+        """The predictor's forecast, with the demand outlook (`outlook.py`) over the shortest configured horizon
+        once a snapshot was seen: the predictor's own, else the last window's turns (the events since the
+        previous forecast)."""
         fc = self.predictor.predict(now, horizons or self.horizons_s)
+        window = self.learner.window.take(now)
+        pic = self.predictor.picture
+        horizon = min(self.horizons_s)
+        outlook: list[TaskOutlook] = []
+        if pic is not None:
+            own = self.predictor.outlook(now, horizon)
+            outlook = own if own is not None else window_outlook(pic, window, horizon)
         # float(): the wire boundary; msgspec cannot encode numpy scalars (a caller's `now` may be one)
         return DemandForecast(
             ts_s=float(fc.ts_s),
             predictor=fc.predictor,
             horizons=fc.horizons,
             snapshot_ts_s=float(self.last_snapshot_ts_s),
+            outlook=outlook,
+            outlook_horizon_s=horizon if pic is not None else 0.0,
+            started_total=pic.started_total if pic is not None else 0,
         )
 
     # --- refits -----------------------------------------------------------------------------------------------

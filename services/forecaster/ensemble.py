@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from proto import TaskOutlook
 from services.forecaster.base import (
     MetricForecast,
     Predictor,
@@ -151,6 +152,16 @@ class EnsemblePredictor(Predictor):
         self._remember(now, horizons, forecasts)
         self.member_forecasts = {m.name: f for m, f in zip(self.members, forecasts, strict=True)}
         return out
+
+    def outlook(self, now: float, horizon_s: float) -> list[TaskOutlook] | None:
+        """The first member's outlook that has a model of its own (the `lifecycle` member's), else None (the
+        window's). The outlook is no blend: its figures are per turn and per phase, not series the ensemble
+        scores."""
+        for m in self.members:
+            own = m.outlook(now, horizon_s)
+            if own is not None:
+                return own
+        return None
 
     def _horizon_index(self, h: float) -> int:
         return int(np.argmin([abs(h - x) for x in self.horizons_s]))

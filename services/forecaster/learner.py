@@ -5,7 +5,9 @@ second, while on the SWE trace a tool call lasts ~0.3 s (p50) and a turn ~2–3 
 between two snapshots. Token flows per window and the durations the lifecycle model needs (time outside the
 model, prefill wait, output length per turn) are exact only from the events, each stamped with `now` (the
 caller's clock: arrival time in the live service, virtual time in the simulator). Snapshots then supply the levels
-(decode concurrency, KV) and the per-trajectory picture.
+(decode concurrency, KV) and the per-trajectory picture. The turns of each task since the last forecast (new
+tokens, contexts, outputs, tool calls, finishes) also go to a `TurnWindow`: the series predictors' outlook
+(`outlook.py`).
 
 Idempotence without sequence windows: every figure is keyed by what it measures — a turn's new tokens by
 (trajectory, turn), a request's output by its request id (progress counts only its growth), a gap by its
@@ -30,6 +32,7 @@ from proto import (
     TurnSubmitted,
 )
 from services.forecaster.distributions import Distributions
+from services.forecaster.outlook import TurnWindow
 from services.forecaster.series import SeriesPoint, Windower
 
 MAX_TOKENS = 2**24  # the picture's limit on a context (picture.LIMITS)
@@ -68,9 +71,17 @@ def _bounded_put(d: OrderedDict, key: str, value: Any, cap: int) -> None:
 class EventLearner:
     """Feeds a `Windower` (flows) and `Distributions` (lifecycle samples) from events; see the module header."""
 
-    def __init__(self, windower: Windower, distributions: Distributions, max_tracked: int = 200_000) -> None:
+    def __init__(
+        self,
+        windower: Windower,
+        distributions: Distributions,
+        max_tracked: int = 200_000,
+        window: TurnWindow | None = None,
+    ) -> None:
         self.windower = windower
         self.distributions = distributions
+        # Per task, the turns since the last forecast: the naive outlook's "last window" (outlook.py)
+        self.window = window if window is not None else TurnWindow()
         self.max_tracked = max_tracked
         self._trajs: OrderedDict[str, _Traj] = OrderedDict()
         self._requests: OrderedDict[str, _Request] = OrderedDict()
@@ -143,7 +154,9 @@ class EventLearner:
             d.add(t.task, "new_tokens", new, turn=t.last_turn)  # filed under the turn it follows
         if t.gap_start_s is not None:
             d.add(t.task, "gap_s", now - t.gap_start_s, True, turn=t.last_turn)
+            self.window.tool(t.task, now - t.gap_start_s)
             t.gap_start_s = None
+        self.window.turn(t.task, new, ev.prompt_tokens)
         cycle = None if first or t.submitted_s is None else now - t.submitted_s
         d.limits.turn(new, first, cycle)
         t.submitted_s = now
@@ -183,6 +196,7 @@ class EventLearner:
         r.finished = True
         t = self._traj(ev.traj_id)
         self.distributions.add(t.task, "output_tokens", ev.output_tokens, turn=ev.turn)
+        self.window.output(t.task, ev.output_tokens)
         self.distributions.limits.output(ev.output_tokens)
         t.context_tokens = max(t.context_tokens, ev.prompt_tokens) + ev.output_tokens
         if ev.turn == t.last_turn and t.gap_start_s is None:
@@ -203,7 +217,9 @@ class EventLearner:
         self.distributions.steps.finished(ev.traj_id, now)
         t = self._trajs.pop(ev.traj_id, None)
         if t is None:
-            return
+            return  # a duplicate (or a trajectory never seen): nothing to add
+        if ev.status == "finished":
+            self.window.finished(t.task)
         if t.gap_start_s is not None:
             self.distributions.add(t.task, "gap_s", now - t.gap_start_s, False, turn=t.last_turn)
         self.distributions.add(t.task, "turns", ev.turns or t.turns)

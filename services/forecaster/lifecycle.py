@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from proto import TaskOutlook
 from services.forecaster.base import MetricForecast, Predictor, normal_triple, register
 from services.forecaster.distributions import (
     POOLED,
@@ -70,14 +71,16 @@ from services.forecaster.distributions import (
     turn_bucket,
 )
 from services.forecaster.lifecycle_model import PriorSamples, impute_censored
+from services.forecaster.lifecycle_outlook import lifecycle_outlook
 from services.forecaster.lifecycle_stack import Stack, build_stack, stacked_moments
-from services.forecaster.lifecycle_tables import TaskTable, build_task_table
+from services.forecaster.lifecycle_tables import TaskTable, TurnFigures, build_task_table, task_figures
 from services.forecaster.picture import DECODE, QUEUED, TOOL_CALL, Picture
 from services.forecaster.series import HORIZONS_S, SeriesPoint
 from services.forecaster.steps import Scenario
 
-# A refit's result: (distributions version, tables by key, reusable turn-bucket tables with their fingerprints)
-Fitted = tuple[int, dict[str, TaskTable], dict[str, tuple[Hashable, TaskTable]]]
+# A refit's result: (distributions version, tables by key, reusable turn-bucket tables with their fingerprints,
+# every task's turn figures for the outlook)
+Fitted = tuple[int, dict[str, TaskTable], dict[str, tuple[Hashable, TaskTable]], dict[str, TurnFigures]]
 
 
 def turn_key(task: str, bucket: int) -> str:
@@ -131,6 +134,8 @@ class LifecyclePredictor(Predictor):
                 prior=prior,
             )
         }
+        # task -> one turn of it, for the outlook (`lifecycle_outlook.py`); the pooled one until the first refit
+        self.figures: dict[str, TurnFigures] = {POOLED: task_figures(None, None, 0.0, prior=prior)}
 
     def _on_point(self, point: SeriesPoint) -> None:
         self._last_point = point
@@ -193,12 +198,17 @@ class LifecyclePredictor(Predictor):
             rng = np.random.default_rng(seed)
             built: dict[str, tuple[Hashable, TaskTable]] = {}
             tables = build_tables(view, rate, hs, rng, live, paths, min_n, censored, reuse, built, prior)
-            return view.version, tables, built
+            pooled = view.tasks.get(POOLED)
+            figures = {
+                task: task_figures(view.tasks.get(task), pooled, rate, live.get(task), prior)
+                for task in sorted({*view.tasks, *live})
+            }
+            return view.version, tables, built, figures
 
         return job
 
     def install(self, fitted: Fitted) -> None:
-        self._fitted_version, self.tables, self._reuse = fitted
+        self._fitted_version, self.tables, self._reuse, self.figures = fitted
 
     # --- forecasting ------------------------------------------------------------------------------------------
     def _forecast(self, now: float, horizons: tuple[float, ...]) -> MetricForecast:
@@ -230,6 +240,15 @@ class LifecyclePredictor(Predictor):
             out["decode_concurrency"].append(normal_triple(mean["seconds"] / h, var["seconds"] / (h * h)))
             out["kv_tokens"].append(normal_triple(mean["kv"], var["kv"]))
         return out
+
+    def outlook(self, now: float, horizon_s: float) -> list[TaskOutlook] | None:
+        """The demand outlook from the tables and the live picture (`lifecycle_outlook.py`)."""
+        pic = self.picture
+        if pic is None:
+            return None
+        rate = pic.decode_rate_tokens_per_s or self.decode_throughput() or 0.0
+        pooled = self.figures[POOLED]
+        return lifecycle_outlook(pic, lambda task: self.figures.get(task, pooled), rate, horizon_s)
 
     def _table(self, task: str, bucket: int | None = None) -> TaskTable:
         t = self.tables.get(turn_key(task, bucket)) if bucket is not None else None

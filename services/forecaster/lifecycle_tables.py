@@ -47,6 +47,82 @@ class KindTable:
     surv_finish: np.ndarray | None = None  # tool_call: P(D > s) of gaps ending the trajectory
 
 
+# (mean, q10, q50, q90) of one quantity per turn
+Figure = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True)
+class TurnFigures:
+    """One turn of a task, for the demand outlook (`lifecycle_outlook.py`): new prompt tokens, output tokens and
+    tool (gap) seconds per turn, each (mean, q10, q50, q90) with the observations behind it (0: a prior), the
+    turn-count hazard, and the outputs sorted with their suffix sums, for the expected rest of an output already
+    `g` tokens long."""
+
+    new_tokens: Figure
+    output_tokens: Figure
+    tool_s: Figure
+    observed: tuple[int, int, int]  # samples of new tokens, outputs, gaps that ended in a turn
+    hazard: np.ndarray  # P(end after turn k | reached k), the last entry for every later k
+    decode_rate_tokens_per_s: float  # the learned per-sequence rate at the refit (else the prior's)
+    out_sorted: np.ndarray  # (n,)
+    out_suffix: np.ndarray  # (n + 1,): out_suffix[i] = sum of out_sorted[i:]
+
+    def remaining_output(self, generated: np.ndarray) -> np.ndarray:
+        """E[L - g | L > g] per value g (0 where no observed output is longer: the answer is about done)."""
+        i = np.searchsorted(self.out_sorted, generated, "right")
+        above = len(self.out_sorted) - i
+        mean_above = np.where(above > 0, self.out_suffix[i] / np.maximum(above, 1), generated)
+        return np.maximum(mean_above - generated, 0.0)
+
+
+def _figure(x: np.ndarray) -> Figure:
+    q10, q50, q90 = (float(v) for v in np.quantile(x, (0.1, 0.5, 0.9)))
+    return float(x.mean()), q10, q50, q90
+
+
+def task_figures(
+    own: TaskSamples | None,
+    pooled: TaskSamples | None,
+    rate_tokens_per_s: float,
+    live_turns: np.ndarray | None = None,
+    prior: PriorSamples | None = None,
+    min_own: int = 3,
+) -> TurnFigures:
+    """A task's `TurnFigures`: per kind its own samples where it has `min_own`, else the pooled task's (else the
+    priors, `make_inputs`). Every task gets its own, not only those with enough samples for tables: the pooled
+    figures of a mix priced a math turn (3,000 output tokens, 3 turns a trajectory) as a general one (250, 30)."""
+    s = _own_or_pooled(own, pooled, min_own)
+    inp = make_inputs(s, rate_tokens_per_s, prior)
+    live = live_turns if live_turns is not None else np.zeros(0, dtype=np.int64)
+    out = np.sort(inp.out)
+    observed = (
+        (s.size("new_tokens"), s.size("output_tokens"), int(s.gap_is_turn.sum()))
+        if s is not None
+        else (0, 0, 0)
+    )
+    return TurnFigures(
+        new_tokens=_figure(inp.new),
+        output_tokens=_figure(inp.out),
+        tool_s=_figure(inp.gap_turn),
+        observed=observed,
+        hazard=turn_hazard(inp.turns, live, inp.finish_fraction),
+        decode_rate_tokens_per_s=inp.rate,
+        out_sorted=out,
+        out_suffix=np.concatenate((np.cumsum(out[::-1])[::-1], [0.0])),
+    )
+
+
+_KINDS = ("queue_wait_s", "prefill_wait_s", "output_tokens", "new_tokens", "turns")
+
+
+def _own_or_pooled(own: TaskSamples | None, pooled: TaskSamples | None, min_own: int) -> TaskSamples | None:
+    if own is None or pooled is None:
+        return own if own is not None else pooled
+    pick = {k: getattr(own if own.size(k) >= min_own else pooled, k) for k in _KINDS}
+    gaps = own if own.size("gap_s") >= min_own else pooled
+    return TaskSamples(gap_s=gaps.gap_s, gap_is_turn=gaps.gap_is_turn, **pick)
+
+
 @dataclass(frozen=True)
 class TaskTable:
     horizons_s: np.ndarray  # (H,)

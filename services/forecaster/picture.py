@@ -71,6 +71,7 @@ class Picture:
     decode_rate_tokens_per_s: float | None = None  # caller's override of the learned per-sequence rate
     ids: Sequence[str] | None = None  # traj ids in array order (None: read them from `features` when needed)
     rejected: Mapping[str, int] | None = None  # rows skipped as bad input, by reason (module header)
+    started_total: int = 0  # trajectories the tracker had seen start (its snapshot's counter)
 
     @property
     def n(self) -> int:
@@ -167,6 +168,7 @@ def build_picture(
         pending=tuple(pending),
         decode_rate_tokens_per_s=decode_rate_tokens_per_s,
         rejected=rejected,
+        started_total=snapshot.started_total,
     )
 
 
@@ -186,6 +188,7 @@ class SnapshotColumnsLike(Protocol):
     turn: np.ndarray
     counts: Mapping[str, int]
     context_tokens_by_state: Mapping[str, int]
+    started_total: int
 
 
 def _as_float(a: np.ndarray) -> np.ndarray:
@@ -244,4 +247,5 @@ def build_picture_columns(
         decode_rate_tokens_per_s=decode_rate_tokens_per_s,
         ids=ids,
         rejected=rejected,
+        started_total=int(cols.started_total),
     )

@@ -4,7 +4,8 @@ Inputs (core NATS, no acks needed: the forecaster's state is soft and rebuilds f
   `subjects.snapshot`                      LifecycleSnapshot from the tracker -> one DemandForecast each;
   `subjects.lifecycle`, `ns.events.*`      lifecycle and engine events (also captured by the EVENTS stream), from
                                            which the core learns exact token flows and lifecycle distributions.
-Output: `subjects.forecast`, a DemandForecast from the configured predictor on the consumer's cadence: at the
+Output: `subjects.forecast`, a DemandForecast from the configured predictor, with its demand outlook (per task, the
+live trajectories by phase and the turns ahead: what the allocator plans from), on the consumer's cadence: at the
 first snapshot at least `forecast_interval_s` (default 5 s, the allocator's decision interval) after the last
 forecast. Every snapshot is still observed (levels and picture, cheap), but the forecast itself — the part that
 costs CPU — runs only when the allocator will read it; between two forecasts the allocator would only have kept

@@ -220,8 +220,7 @@ def _allocator(s: Subjects) -> _Grants:
         subscribe=[
             s.all_engine_stats,
             s.all_engine_acks,
-            s.forecast,
-            s.snapshot,
+            s.forecast,  # demand, and its outlook: the allocator reads no tracker snapshot
             s.lifecycle,
             s.all_engine_events,
         ],

@@ -20,12 +20,6 @@ from services.allocator.policy import ClusterView, EngineView, Plan, PolicyError
 
 PREFILL_CAPABLE = frozenset({"prefill", "mixed"})
 DECODE_CAPABLE = frozenset({"decode", "mixed"})
-LIVE_STATES = ("queued", "prefill", "decode", "tool_call")  # a tracker snapshot's states of live trajectories
-
-
-def live_count(counts: Mapping[str, int]) -> int:
-    """Live trajectories in a snapshot's state → count map (`counts`, or one task's of `counts_by_task`)."""
-    return sum(counts.get(state, 0) for state in LIVE_STATES)
 
 
 class Split(NamedTuple):

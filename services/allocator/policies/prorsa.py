@@ -15,16 +15,18 @@ so the obvious choices are always on the table (searched coarse-to-fine past 48 
 
 Inputs, all from the view (so the live allocator and the simulator run this same code):
 * the mean turn (`TurnShape`): new tokens per turn (`recent_mean_new_tokens`, else the ISL net of the recomputed
-  output under a split), output tokens, context at prefill (ISL + cached), tool time by Little's law from the
-  tracker snapshot (trajectories in a tool call / turns submitted per second);
-* N: live trajectories in the snapshot (else engines' requests + queued turns + those in a tool call by Little);
+  output under a split) and output tokens from the request window; context at prefill and tool time from the
+  forecast's outlook of the turns ahead (`outlook.py`), else the window's ISL + cached and a default tool call;
+* N: live trajectories in the outlook (else engines' requests + queued turns + those in a tool call by Little);
 * the prompts and tokens waiting for prefill now: a queue past the affinity threshold puts the model on its
   congested branch (turn_model: misses recompute whole contexts and feed the queue that caused them);
 * risk: the forecast's q10 / q50 / q90 of new prompt tokens over its longest horizon scale N (demand rising or
   falling: more or fewer trajectories active), and the score is their weighted mean with weights 0.304 / 0.392 /
   0.304, the three-point rule that reproduces a normal forecast's variance (q10, q90 = median ∓ 1.28 σ);
 * H: how long the split will serve — the live population changes by half in N / (2 φ), φ the trajectories
-  finishing per second (snapshot), between two decision intervals and `max_horizon_s`.
+  finishing per second (the outlook's), between two decision intervals and `max_horizon_s`.
+Demand reaches the policy one way, the forecast (issue 32): the tracker's snapshot is the forecaster's input. Before
+a forecast with an outlook arrives, N, the tool call and H fall back as said, and no step start is recognised.
 
 Decision: move to the best candidate when it beats the current split by more than `margin` plus the model's
 measured error on the split that runs (|log observed / projected turn time|, observed by Little's law, net of what
@@ -53,7 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from proto import DemandForecast, LifecycleSnapshot
+from proto import DemandForecast
 from services.allocator.capacity import (
     DEFAULT_CONTEXT_TOKENS,
     DEFAULT_ISL_TOKENS,
@@ -61,19 +63,18 @@ from services.allocator.capacity import (
     CapacityModel,
 )
 from services.allocator.policies.common import (
-    LIVE_STATES,
     Split,
     current_split,
     engines_by_role,
     floor_fix,
     forecast_of,
     initial_roles,
-    live_count,
     make_capacity,
     moves_for_split,
     parse_options,
     role_demand,
 )
+from services.allocator.policies.outlook import Outlook, outlook_of
 from services.allocator.policies.step_memory import StepMemory, model_error
 from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
@@ -113,7 +114,7 @@ class ProrsaPolicy(AllocatorPolicy):
     shape_half_life_s: float = 30.0
     # Per field of the turn (new, output, context, tool): (weight, weighted sum), folded by `_smooth`.
     _shape_sums: tuple[tuple[float, float], ...] = field(default=((0.0, 0.0),) * 4, repr=False)
-    _finished: tuple[float, int] | None = field(default=None, repr=False)  # (ts, finished_total) last seen
+    _finish_seen_s: float = field(default=-math.inf, repr=False)  # when the finish rate was last folded in
     _finish_rate: float = field(default=0.0, repr=False)
     _turns_finished: float = field(default=0.0, repr=False)  # turns whose answer the estimate has seen
     _turns_seen: float = field(default=0.0, repr=False)  # turns submitted since the live population formed
@@ -194,8 +195,10 @@ class ProrsaPolicy(AllocatorPolicy):
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
-        snapshot = view.snapshot if isinstance(view.snapshot, LifecycleSnapshot) else None
-        if snapshot is not None and not live_count(snapshot.counts):
+        # Demand one way: the forecast's outlook (outlook.py). None before a forecast with one has arrived: then N is
+        # what the engines hold, the tool call a default, H the longest, and no step start is recognised (below).
+        outlook = outlook_of(view)
+        if outlook is not None and not outlook.live:
             self._turns_seen = self._turns_finished = 0.0  # between steps: the next population starts afresh
             self._moving_to = None
             # A new population's contexts start at its first prompts: the last one's grown contexts say nothing of
@@ -211,17 +214,17 @@ class ProrsaPolicy(AllocatorPolicy):
             self._turns_finished += (
                 view.decode_tokens_per_s * view.recent_window_s / view.recent_mean_osl_tokens
             )
-        window_shape = self.shape(view, current, snapshot)
-        measured = self.measured(view, snapshot)
+        window_shape = self.shape(view, current, outlook)
+        measured = self.measured(view, outlook)
         shape = self._smooth(window_shape, view, measured)
         self.last_shape = shape
-        n_live = self.live_trajectories(view, snapshot, shape)
+        n_live = self.live_trajectories(view, outlook, shape)
         if (
             n_live > 0 and measured[2] and view.recent_requests > 0
         ):  # a window that saw the population's turns
             self._track_drift(view.now, window_shape.context_tokens, float(view.recent_requests))
-        if self.step_start and snapshot is not None:
-            mix = self.memory.step_started(snapshot)
+        if self.step_start and outlook is not None:
+            mix = self.memory.step_started(outlook.started_total, outlook.live_by_task)
             # The window's own shape, not the smoothed one: at a step's start the running estimate still holds
             # the last step's tail; the record's segments average windows by their turns instead.
             turns = float(view.recent_requests)
@@ -252,7 +255,7 @@ class ProrsaPolicy(AllocatorPolicy):
                 # the forecast's arrivals priced at the last window's shape (below) would undo it before the step
                 # has said anything (live, 0.6 s after the replay moved to 1:3, a move back to 2:2 at N = 0).
                 return floor_fix(view, self.name)
-        horizon = self.horizon_s(view, snapshot, n_live)
+        horizon = self.horizon_s(view, outlook, n_live)
         scenarios = self.scenarios(view, forecast_of(view), n_live, shape, current)
         if not any(n > 0 for n in scenarios):
             return floor_fix(view, self.name)  # nothing to plan for; only repair an empty role with demand
@@ -621,8 +624,16 @@ class ProrsaPolicy(AllocatorPolicy):
 
     # -- what the view says -------------------------------------------------------------------------------------
 
-    def shape(self, view: ClusterView, current: Split, snapshot: LifecycleSnapshot | None) -> TurnShape:
-        """The mean turn of the work at hand (module doc)."""
+    def shape(self, view: ClusterView, current: Split, outlook: Outlook | None) -> TurnShape:
+        """The mean turn of the work at hand (module doc). New and output tokens are the window's: the engines'
+        own count of the turns they served since the last decision (PrefillDone, RequestFinished), on which the
+        model's error and the step's record are measured (Little's law over the same window, `_model_error`,
+        `StepMemory.record`) — and the new tokens as placed. The outlook's per-turn figures are the run's recent
+        distribution (the forecaster refits it every 30 s): staler for the same quantity. Context at prefill and
+        the tool call are the outlook's, of the turns ahead: the window has no count of either (the tool call was a
+        Little's-law estimate, 0 at a step's start before any trajectory is in a tool; the context grows turn by
+        turn, and the forecaster knows each live trajectory's). Without an outlook: the window's ISL + cached and
+        a default tool call."""
         osl = view.recent_mean_osl_tokens if view.recent_mean_osl_tokens > 0 else DEFAULT_OSL_TOKENS
         isl = view.recent_mean_isl_tokens if view.recent_mean_isl_tokens > 0 else DEFAULT_ISL_TOKENS
         context = isl + max(0.0, view.recent_mean_cached_tokens)
@@ -632,27 +643,21 @@ class ProrsaPolicy(AllocatorPolicy):
             new = isl  # a mixed engine caches prompt and answer: it computes only the new tokens
         else:
             new = max(1.0, isl - osl)  # a prefill engine recomputes the last answer (turn_model doc)
-        if view.recent_mean_isl_tokens <= 0 and snapshot is not None:
-            live = [t.context_tokens for t in snapshot.trajectories if t.state in LIVE_STATES]
-            if live:
-                context = max(context, sum(live) / len(live))
-        rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
         tool = DEFAULT_TOOL_S
-        if snapshot is not None and rate > 0:
-            tool = snapshot.counts.get("tool_call", 0) / rate  # Little: in a tool = rate × tool time
+        if outlook is not None:
+            context = outlook.context_tokens if outlook.context_tokens is not None else context
+            tool = outlook.tool_s if outlook.tool_s is not None else tool
         return TurnShape(new, osl, max(context, new), tool)
 
     @staticmethod
-    def measured(view: ClusterView, snapshot: LifecycleSnapshot | None) -> tuple[bool, bool, bool, bool]:
-        """Which fields of `shape` the window measured (new, output, context, tool); the others are defaults."""
+    def measured(view: ClusterView, outlook: Outlook | None) -> tuple[bool, bool, bool, bool]:
+        """Which fields of `shape` were measured (new, output, context, tool); the others are defaults."""
         prompts = view.recent_mean_isl_tokens > 0
-        rate = view.recent_requests > 0 and view.recent_window_s > 0
-        live_contexts = snapshot is not None and any(t.state in LIVE_STATES for t in snapshot.trajectories)
         return (
             prompts or view.recent_mean_new_tokens > 0,
             view.recent_mean_osl_tokens > 0,
-            prompts or live_contexts,
-            snapshot is not None and rate,
+            prompts or (outlook is not None and outlook.context_tokens is not None),
+            outlook is not None and outlook.tool_s is not None,
         )
 
     def _smooth(
@@ -673,25 +678,22 @@ class ProrsaPolicy(AllocatorPolicy):
         new, out, ctx, tool = (b / a if a > 0 else v for (a, b), v in zip(sums, values, strict=True))
         return TurnShape(new, out, max(ctx, new), tool)
 
-    def live_trajectories(
-        self, view: ClusterView, snapshot: LifecycleSnapshot | None, shape: TurnShape
-    ) -> float:
-        """N: live trajectories (snapshot), else what the engines hold plus those in a tool call (Little)."""
-        if snapshot is not None:
-            return float(live_count(snapshot.counts))
+    def live_trajectories(self, view: ClusterView, outlook: Outlook | None, shape: TurnShape) -> float:
+        """N: live trajectories (the outlook), else what the engines hold plus those in a tool call (Little)."""
+        if outlook is not None:
+            return float(outlook.live)
         rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
         held = sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len
         return float(held) + rate * shape.tool_s
 
-    def horizon_s(self, view: ClusterView, snapshot: LifecycleSnapshot | None, n_live: float) -> float:
-        """H: the time the live population takes to change by half, within [2 intervals, max_horizon_s]."""
+    def horizon_s(self, view: ClusterView, outlook: Outlook | None, n_live: float) -> float:
+        """H: the time the live population takes to change by half, within [2 intervals, max_horizon_s]. The
+        outlook's finish rate is folded in once per decision, half weight each (as the tracker's measured rate
+        was: a forecaster's figure from one window, naive's, is as noisy); without an outlook the last one holds."""
         lo = 2.0 * self.interval_s
-        if snapshot is not None:
-            last = self._finished
-            if last is not None and view.now > last[0]:
-                rate = max(0, snapshot.finished_total - last[1]) / (view.now - last[0])
-                self._finish_rate = 0.5 * self._finish_rate + 0.5 * rate
-            self._finished = (view.now, snapshot.finished_total)
+        if outlook is not None and view.now > self._finish_seen_s:
+            self._finish_rate = 0.5 * self._finish_rate + 0.5 * outlook.finishing_per_s
+            self._finish_seen_s = view.now
         if self._finish_rate <= 0:
             return self.max_horizon_s
         return min(self.max_horizon_s, max(lo, n_live / (2.0 * self._finish_rate)))

@@ -34,9 +34,10 @@ the seconds its movers spend switching while the first prompts arrive (which als
 every engine instead of landing on the few that serve at once). So the policy replays then, and again when the
 step starts if its mix turns out to be another.
 
-A step start is seen in the tracker's snapshot: at least `FRESH_SHARE` of the live trajectories are new, started
-since the last snapshot (the tracker counts starts: `started_total`; trajectories that join later, a step's
-stragglers in arrival, are a minority of the live ones and join the running step). So a step triggers once, in
+A step start is seen in the forecast's outlook (`outlook.py`; the forecaster passes on the tracker's counts): at
+least `FRESH_SHARE` of the live trajectories are new, started since the last decision (the tracker counts starts:
+`started_total`; trajectories that join later, a step's stragglers in arrival, are a minority of the live ones and
+join the running step). So a step triggers once, in
 both RL modes (a synchronous step follows an empty cluster; an asynchronous one is submitted the moment the last
 batch ends), however its arrivals are spread.
 The task mix is the set of tasks holding at least `TASK_SHARE` of the live trajectories: an alternating mix
@@ -46,11 +47,9 @@ The task mix is the set of tasks holding at least `TASK_SHARE` of the live traje
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from proto import LifecycleSnapshot
-from services.allocator.policies.common import live_count
 from services.allocator.policies.turn_model import TurnShape
 
 FRESH_SHARE = 0.5  # a step has started when at least this share of the live trajectories is new
@@ -76,7 +75,7 @@ class StepMemory:
     """Records each step's loop and hands back the last record of the same task mix (module doc)."""
 
     records: dict[tuple[str, ...], list[Segment]] = field(default_factory=dict)
-    _started_seen: int = 0  # the tracker's started_total at the last snapshot
+    _started_seen: int = 0  # the tracker's started_total at the last decision
     _mix: tuple[str, ...] | None = None  # the mix of the step being recorded (None: no step running)
     _last_mix: tuple[str, ...] | None = None  # the mix of the last step that started
     _follows: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # mix → the mix after it
@@ -87,30 +86,26 @@ class StepMemory:
         default_factory=dict
     )  # split → [turns, lived, projected]
 
-    def step_started(self, snapshot: LifecycleSnapshot) -> tuple[str, ...] | None:
+    def step_started(self, started_total: int, live_by_task: Mapping[str, int]) -> tuple[str, ...] | None:
         """The task mix of a step that starts now (once per step), else None. Closes the record of the last one.
-        A snapshot with nobody live ends the running step (a synchronous step, before the trainer's turn)."""
-        # From the snapshot's counters alone (no pass over its trajectories: this runs at every decision, over up
-        # to 10k of them): the trajectories started since the last snapshot are the tracker's `started_total`
-        # minus the last one seen. Those that start and end between two decisions count as new too: a step whose
-        # trajectories live less than a decision interval is all new anyway.
-        new = snapshot.started_total - self._started_seen
+        `started_total`: the tracker's count of trajectories started; `live_by_task`: live trajectories per task
+        (both from the forecast's outlook). Nobody live ends the running step (a synchronous step, before the
+        trainer's turn)."""
+        # From counters alone (no pass over trajectories: this runs at every decision, with up to 10k live): the
+        # trajectories started since the last decision are the tracker's `started_total` minus the last one seen.
+        # Those that start and end between two decisions count as new too: a step whose trajectories live less
+        # than a decision interval is all new anyway.
+        new = started_total - self._started_seen
         # (A tracker restarted without its checkpoint counts from 0 again: a negative `new` is no step start.)
-        self._started_seen = snapshot.started_total
-        live = live_count(snapshot.counts)
+        self._started_seen = started_total
+        live = sum(live_by_task.values())
         if not live:
             self._close()
             return None
         if new < FRESH_SHARE * live:
             return None  # latecomers of the running step
         self._close()
-        mix = tuple(
-            sorted(
-                task
-                for task, by_state in snapshot.counts_by_task.items()
-                if live_count(by_state) >= TASK_SHARE * live
-            )
-        )
+        mix = tuple(sorted(task for task, n in live_by_task.items() if n >= TASK_SHARE * live))
         if self._last_mix is not None:
             self._follows[self._last_mix] = mix
         self._mix = self._last_mix = mix
