@@ -157,6 +157,17 @@ class BusLog:
     def of(self, cls: type, trajectories: dict) -> list:
         return [e for e in self.lifecycle if isinstance(e, cls) and e.traj_id in trajectories]
 
+    async def settled(self, timeout_s: float = 10.0) -> None:
+        """Wait until every trajectory seen starting has been seen finishing, or `timeout_s` (then the checks
+        below say which is missing): acked events reach this observer a moment after the trainer exits, later on
+        a loaded machine than a fixed pause allowed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            started = {e.traj_id for e in self.lifecycle if isinstance(e, TrajectoryStarted)}
+            if started <= {e.traj_id for e in self.lifecycle if isinstance(e, TrajectoryFinished)}:
+                return
+            await asyncio.sleep(0.1)
+
 
 async def _run_trainer(python: str, module: str, cluster: Cluster, workdir: Path) -> tuple[dict, BusLog]:
     nc = await connect(cluster.url, "test-observer", credentials=cluster.credentials("operator"))
@@ -180,7 +191,7 @@ async def _run_trainer(python: str, module: str, cluster: Cluster, workdir: Path
         )  # fmt: skip
         stdout, stderr = await asyncio.wait_for(proc.communicate(), 240)
         assert proc.returncode == 0, stdout.decode()[-3000:] + stderr.decode()[-6000:]
-        await asyncio.sleep(0.5)  # the last events reach the log
+        await log.settled()  # the last events reach the log
     finally:
         await nc.close()
     return json.loads(stdout.decode().strip().splitlines()[-1]), log

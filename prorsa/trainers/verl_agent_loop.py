@@ -61,8 +61,16 @@ class ProrsaAgentLoop:
         try:
             output = await self.inner.run(sampling_params, **sample)
         except BaseException:
-            # Shielded: a cancelled loop still reports its trajectories, so none waits for the tracker's timeout.
-            await asyncio.shield(self.client.finish_episode(episode, status="aborted"))
+            # Shielded, and waited for through further cancellations: a cancelled loop still reports its
+            # trajectories before its error goes up, so none waits for the tracker's timeout — a second cancel (verl
+            # cancelling the step's other loops when one fails, then Ray tearing the worker down) left the finish
+            # in flight and lost it.
+            ending = asyncio.ensure_future(self.client.finish_episode(episode, status="aborted"))
+            while not ending.done():
+                try:
+                    await asyncio.shield(ending)
+                except asyncio.CancelledError:
+                    continue
             raise
         finally:
             CURRENT_EPISODE.reset(token)
