@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import nats
 
 from prorsa.client.client import ClusterSaturated, GenerateError, RolloutClient, Trajectory
+from prorsa.client.surely import surely
 from prorsa.gateway.chat_template import ChatTokenizer
 from prorsa.gateway.metrics import GatewayMetrics
 from prorsa.gateway.sampling import Sampling, cut_at_stop
@@ -195,7 +196,7 @@ class Gateway:
         try:
             turn = await self._generate(traj, prompt_ids, sampling, on_chunk)
         except BaseException:  # refused, failed or cancelled: the tracker must not count it as finished
-            await asyncio.shield(traj.finish(status="aborted"))
+            await surely(traj.finish(status="aborted"))  # through every cancellation (prorsa.client.surely)
             raise
         await traj.finish()
         return turn

@@ -57,6 +57,7 @@ from areal.api.io_struct import ModelRequest, ModelResponse, WeightUpdateMeta
 from areal.infra.workflow_executor import WorkflowExecutor
 
 from prorsa.client.client import RolloutClient, Trajectory
+from prorsa.client.surely import surely
 from prorsa.trainers.connection import Connection
 from prorsa.trainers.verl import refuse_multimodal
 from proto import SamplingParams
@@ -135,8 +136,9 @@ class ProrsaEpisodes(RolloutWorkflow):
         try:
             result = await self.workflow.arun_episode(engine, data)
         except BaseException:
-            # Shielded: a cancelled episode still reports its trajectories, so none waits for the tracker's timeout.
-            await asyncio.shield(episode.finish(status="aborted"))
+            # Waited for through every cancellation (prorsa.client.surely): a cancelled episode still reports its
+            # trajectories, so none waits for the tracker's timeout.
+            await surely(episode.finish(status="aborted"))
             raise
         finally:
             CURRENT_EPISODE.reset(token)

@@ -22,13 +22,13 @@ template tokens), plus `min_global_steps` / `max_global_steps` over the whole ep
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import hydra
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager, AgentLoopOutput, _agent_loop_registry
 
+from prorsa.client.surely import surely
 from prorsa.trainers.verl import CURRENT_EPISODE, Episode, ProrsaLLMClient, response_versions
 
 AGENT_LOOP_CONFIG = Path(__file__).with_name("verl_agent_loops.yaml")
@@ -61,16 +61,9 @@ class ProrsaAgentLoop:
         try:
             output = await self.inner.run(sampling_params, **sample)
         except BaseException:
-            # Shielded, and waited for through further cancellations: a cancelled loop still reports its
-            # trajectories before its error goes up, so none waits for the tracker's timeout — a second cancel (verl
-            # cancelling the step's other loops when one fails, then Ray tearing the worker down) left the finish
-            # in flight and lost it.
-            ending = asyncio.ensure_future(self.client.finish_episode(episode, status="aborted"))
-            while not ending.done():
-                try:
-                    await asyncio.shield(ending)
-                except asyncio.CancelledError:
-                    continue
+            # Waited for through every cancellation (prorsa.client.surely): a cancelled loop still reports its
+            # trajectories before its error goes up, so none waits for the tracker's timeout.
+            await surely(self.client.finish_episode(episode, status="aborted"))
             raise
         finally:
             CURRENT_EPISODE.reset(token)
