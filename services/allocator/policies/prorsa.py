@@ -31,9 +31,11 @@ a forecast with an outlook arrives, N, the tool call and H fall back as said, an
 Decision: move to the best candidate when it beats the current split by more than `margin` plus the model's
 measured error on the split that runs (|log observed / projected turn time|, observed by Little's law, net of what
 a window's turn count misses by through sampling alone; a move's own cost is already in the score), when it wins
-in every forecast scenario, and only once the turn sample stands for the loop (about one finished turn per live
-trajectory, the first prompts at most a third of the turns seen). A role with demand and no engine is repaired at
-once. Start-up is colocated (`initial_plan`).
+in every forecast scenario and on the turn of the horizon's midpoint (contexts grown by the drift the decisions
+measure, `_ahead`), and only once the turn sample stands for the loop (about one finished turn per live
+trajectory, the first prompts at most a third of the turns seen). A move, once chosen, is carried through the
+hybrids the coordinator passes on the way. A role with demand and no engine is repaired at once. Start-up is
+colocated (`initial_plan`).
 
 Between RL steps (`step_memory.py`): while the cluster idles before a synchronous step, the split for the next step
 comes from a replay of the last step of its task mix through the model, each split priced with the model's bias
@@ -359,11 +361,9 @@ class ProrsaPolicy(AllocatorPolicy):
         prior = TurnShape(DEFAULT_ISL_TOKENS, DEFAULT_OSL_TOKENS, DEFAULT_CONTEXT_TOKENS, DEFAULT_TOOL_S)
         bar = 1.0 - self.margin - error
         on_prior = {
-            c: _weighted(self.scenario_scores(c, current, prior, scenarios, horizon_s, switch))
-            for c in scored
-            if not c.mixed
+            c: self.score(c, current, prior, scenarios, horizon_s, switch) for c in scored if not c.mixed
         }
-        prior_now = _weighted(self.scenario_scores(current, current, prior, scenarios, horizon_s, switch))
+        prior_now = self.score(current, current, prior, scenarios, horizon_s, switch)
         wins = [c for c in on_prior if scored[c] < current_j * bar and on_prior[c] < prior_now * bar]
         if not wins:
             return None
@@ -418,12 +418,11 @@ class ProrsaPolicy(AllocatorPolicy):
         if not growth > 0.0 or n_live <= 0:  # NaN: not measured
             return True
         ahead = TurnShape(shape.new_tokens, shape.output_tokens, shape.context_tokens + growth, shape.tool_s)
-        left = max(
-            0.5, 1.0 - self._finish_rate * horizon_s / 2.0 / n_live
-        )  # H: the population halves within it
+        # H is the time the population takes to halve: at its midpoint at least half is left.
+        left = max(0.5, 1.0 - self._finish_rate * horizon_s / 2.0 / n_live)
         later = [n * left for n in scenarios]
-        return _weighted(self.scenario_scores(target, current, ahead, later, horizon_s, switch)) < _weighted(
-            self.scenario_scores(current, current, ahead, later, horizon_s, switch)
+        return self.score(target, current, ahead, later, horizon_s, switch) < self.score(
+            current, current, ahead, later, horizon_s, switch
         )
 
     def _settling(self, view: ClusterView) -> bool:

@@ -336,10 +336,10 @@ def _colocated(
         seen = 1.0 + q_d * shrink
         running = min(seen, float(limit))
         kept = cache_hit_share(p.kv_capacity_tokens - running * ctx, working_set)
+        t_decode = step(running)
         hosted = (1.0 - away) * host_tier_share(p, working_set, kept)  # device misses host memory holds
         stall, steps = prompt_cost(1.0 - (1.0 - away) * kept - hosted)
-        stall += hosted * host_reload_stall_s(p, shape.context_tokens, step(running))
-        t_decode = step(running)
+        stall += hosted * host_reload_stall_s(p, shape.context_tokens, t_decode)
         s_prompt = stall + steps * t_decode  # time the prompt holds its rank
         t_mixed = t_decode + stall / steps  # one step that carries a chunk
         # Seidmann: a dp-server station ≈ one server dp times faster plus a delay of (dp − 1)/dp of the service.
