@@ -215,6 +215,10 @@ class PrefillDone(EngineEvent, frozen=True, kw_only=True):
     cached_tokens: NonNegInt  # prompt tokens served from the prefix cache or a KV transfer
     prefill_s: NonNegFloat = 0.0
     handed_off: bool = False  # True: decode continues on another engine
+    # True: its trajectory's previous turn was prefilled on another engine (`GenerateRequest.affinity_engine`, set
+    # and not this one) — a turn placement sent away from its cache. What such a turn recomputes against its context
+    # is what the allocator's turn model charges a miss (`CapacityModel.miss_share`).
+    away: bool = False
 
 
 class ProgressItem(msgspec.Struct, frozen=True, kw_only=True):

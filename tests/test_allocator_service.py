@@ -439,6 +439,14 @@ def test_recent_load_windows_and_resets() -> None:
         300.0,
         0.0,
     )
+    assert (w.away_prefills, w.mean_away_new_tokens) == (0, 0.0)
+    # Turns sent away from their cache are counted apart: what each computed is a miss's price.
+    r.observe_prefill(new_tokens=100, cached_tokens=9_900)
+    r.observe_prefill(new_tokens=6_000, cached_tokens=4_000, away=True)
+    r.observe_prefill(new_tokens=2_000, cached_tokens=0, away=True)
+    w = r.take(17.0)
+    assert (w.away_prefills, w.mean_away_new_tokens, w.mean_isl_tokens) == (2, 4_000.0, 8_100 / 3)
+    assert r.take(18.0).away_prefills == 0  # and start afresh each window
 
 
 def test_build_view_maps_stats_targets_and_queues() -> None:

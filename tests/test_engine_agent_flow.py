@@ -78,8 +78,11 @@ async def test_disaggregated_client_gets_exactly_max_tokens_once(nats_server, nc
     await decode.start()
     try:
         rids = [f"d{i}" for i in range(4)]
+        # d1's previous turn was prefilled here, d2's on another engine: only d2 was sent away from its cache.
+        homes = {"d1": "pre-0", "d2": "pre-9"}
         for rid in rids:
-            await publish_work(nc, S.prefill_work_any, request(rid, max_tokens=120))
+            work = request(rid, max_tokens=120, affinity_engine=homes.get(rid, ""))
+            await publish_work(nc, S.prefill_work_any, work)
         await watcher.wait_finished(rids)
         for rid in rids:
             chunks = watcher.assert_exact_stream(rid, 120)
@@ -87,6 +90,7 @@ async def test_disaggregated_client_gets_exactly_max_tokens_once(nats_server, nc
             assert chunks[-1].prefill_engine == "pre-0"
         await wait_until(lambda: len(watcher.of(RequestFinished)) == 4)
         assert all(p.handed_off and p.engine_id == "pre-0" for p in watcher.of(PrefillDone))
+        assert sorted(p.request_id for p in watcher.of(PrefillDone) if p.away) == ["d2"]
         assert {f.engine_id for f in watcher.of(RequestFinished)} == {"dec-0"}
         # Every piece of work was acked: nothing is left in the work queue.
         await wait_work_queue_empty(nc)

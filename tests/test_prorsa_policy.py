@@ -148,6 +148,77 @@ def test_a_turn_sent_away_misses_only_where_another_engine_can_take_it() -> None
     assert two.prefill_s > 1.05 * turn_time(Split(2, 2), shape, 128, cap, max_waiting=10**9).prefill_s
 
 
+def test_a_miss_costs_what_the_engines_measured_such_turns_computing() -> None:
+    """A turn sent away recomputes, where another engine takes it, what the engines report such turns computing
+    (`CapacityModel.miss_share` of the mean context), not the whole mean context: on the general agent the
+    turns sent away are the shorter ones and the taker holds part of each, about half the mean. The same loaded
+    split is quicker at that price; a split that sends nothing away costs the same at any price."""
+    shape = TurnShape(new_tokens=2319, output_tokens=193, context_tokens=32_770, tool_s=2.29)
+    whole, half = make_capacity("deepseek-v3.2"), make_capacity("deepseek-v3.2")
+    half.miss_share = 0.5
+    assert (
+        turn_time(Split(5, 3), shape, 433, half).prefill_s
+        < turn_time(Split(5, 3), shape, 433, whole).prefill_s
+    )
+    unplaced = {c.miss_share: turn_time(Split(5, 3), shape, 433, c, max_waiting=10**9) for c in (whole, half)}
+    assert unplaced[0.5] == unplaced[1.0]
+    # Colocation's congested start prices its misses the same way.
+    queued = dict(queued_prefills=400, queued_tokens=400 * 20_000.0)
+    assert (
+        turn_time(Split(0, 0, 8), shape, 433, half, **queued).turn_s
+        < turn_time(Split(0, 0, 8), shape, 433, whole, **queued).turn_s
+    )
+
+
+def test_a_split_congested_now_stays_congested_while_its_misses_outrun_its_prefill_engines() -> None:
+    """9:7 on 16 engines of deepseek-v3.2 at 821 live trajectories of 35k-token contexts held 245 queued prompts for
+    150 s (4.7 % of turns sent away, 13.7 s a turn); from no misses the model put it at ~11 s with an idle queue.
+    With that queue it is on its congested branch — each engine busy, sent_away(1) of the turns leaving, the rest
+    of the loop sending more than the engines serve — and near the measured turn; with 11 prefill engines the
+    same queue drains, and with no queue no split is congested."""
+    cap = make_capacity("deepseek-v3.2")
+    cap.miss_share = 0.76  # what the engines reported there
+    shape = TurnShape(new_tokens=2249, output_tokens=194, context_tokens=34_562, tool_s=2.3)
+    queue = dict(queued_prefills=245, queued_tokens=245 * 3_900.0)
+    idle = turn_time(Split(9, 7), shape, 821, cap)
+    congested = turn_time(Split(9, 7), shape, 821, cap, **queue)
+    assert not idle.congested and idle.turn_s < 11.5
+    assert congested.congested and 12.5 < congested.turn_s < 14.5
+    assert not turn_time(Split(11, 5), shape, 821, cap, **queue).congested
+    # Fewer live trajectories send less than 9 engines serve even at the congested miss share: it drains.
+    assert not turn_time(Split(9, 7), shape, 300, cap, **queue).congested
+
+
+def test_the_miss_price_follows_the_engines_reports_from_a_whole_context_prior() -> None:
+    """`miss_share` starts at the whole context and moves, weighted by the misses reported, to what they computed
+    over the window's mean context; windows without misses leave the measurement to fade back to the prior."""
+    cap = make_capacity("deepseek-v3.2")
+    assert cap.miss_share == 1.0
+    shape = TurnShape(new_tokens=2319, output_tokens=193, context_tokens=20_000, tool_s=2.29)
+    reported = view(
+        ["prefill"] * 5 + ["decode"] * 3,
+        10.0,
+        shape,
+        recent_away_prefills=40,
+        recent_mean_away_new_tokens=10_000.0,
+    )
+    cap.observe(reported)
+    assert cap.miss_share == pytest.approx((40 * 0.5 + 8) / (40 + 8))
+    for t in range(11):
+        cap.observe(dataclasses.replace(reported, now=15.0 + 5 * t))
+    assert 0.5 < cap.miss_share < 0.55
+    quiet = dataclasses.replace(reported, recent_away_prefills=0, recent_mean_away_new_tokens=0.0)
+    last = cap.miss_share
+    for t in range(40):
+        cap.observe(dataclasses.replace(quiet, now=100.0 + 5 * t))
+        assert cap.miss_share >= last
+        last = cap.miss_share
+    assert last > 0.95
+    hostile = dataclasses.replace(reported, recent_mean_away_new_tokens=1e12)
+    cap.observe(hostile)
+    assert cap.miss_share <= 4.0
+
+
 def test_lru_keeps_everything_within_capacity_and_capacity_over_working_set_beyond() -> None:
     assert cache_hit_share(1_000, 800) == 1.0
     assert cache_hit_share(1_000, 4_000) == pytest.approx(0.25)

@@ -150,6 +150,12 @@ class SimEngine(EngineCore):
         return arrive
 
     def _on_prefill_done(self, seq: Request, now: float) -> None:  # type: ignore[override]
+        last = seq.traj.last_engine
+        if (
+            last is not None and last is not self and not seq.migrated
+        ):  # sent away (the live PrefillDone.away)
+            self.metrics.away_prefills += 1
+            self.metrics.away_computed_tokens += seq.to_compute_tokens
         seq.traj.last_engine = self
         if self.observed:
             self.sim.on_prefill_done(seq, self, now)

@@ -131,6 +131,10 @@ class Metrics:
         self.turns_finished = 0
         self.finished_output_tokens = 0  # output tokens of finished turns
         self.prefill_starts = 0  # first-time prefills started (not migrations)
+        # Prefills of turns sent away from the engine that prefilled their trajectory's last turn, and the prompt
+        # tokens they computed (`PrefillDone.away`: what the allocator's turn model charges a miss).
+        self.away_prefills = 0
+        self.away_computed_tokens = 0
         self.trajectories_started = 0
         self.trajectories_completed = 0
         self.trajectories_aborted = 0

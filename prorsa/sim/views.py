@@ -96,6 +96,8 @@ class ViewBuilder:
             prefills=now.starts - before.starts,
             prefill_new_tokens=(now.prompt - now.hits) - (before.prompt - before.hits),
             prefill_cached_tokens=now.hits - before.hits,
+            away_prefills=now.away - before.away,
+            away_new_tokens=now.away_computed - before.away_computed,
             finished=now.finished - before.finished,
             output_tokens=now.finished_out - before.finished_out,
         )
@@ -113,6 +115,8 @@ class _Totals:
     hits: int = 0
     finished: int = 0
     finished_out: int = 0
+    away: int = 0
+    away_computed: int = 0
 
     @staticmethod
     def of(m: Metrics) -> _Totals:
@@ -124,4 +128,6 @@ class _Totals:
             m.prefix_hit_tokens,
             m.turns_finished,
             m.finished_output_tokens,
+            m.away_prefills,
+            m.away_computed_tokens,
         )

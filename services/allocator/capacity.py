@@ -17,6 +17,13 @@ Online correction (why: a profile is a model, the engines are the truth): each d
 what the model says for the same work, and keeps an EWMA of the ratio, clamped to [1/4, 4] so one odd report cannot
 swing a decision. Rates returned by the `*_tokens_per_s` methods include the correction.
 
+A miss's price is measured the same way (`miss_share`): a turn placement sends away from the engine holding its
+prefix recomputes, where another engine takes it, not the mean context but what the engines report such turns
+computing (`PrefillDone.away`) — about half of it on the general agent: the turns sent away are the shorter ones
+(a turn's patience grows with its context, `services.runtime.affinity`) and the taker holds part of each (its GRPO
+group's shared prompt at least). Pricing each at the whole mean context made a loaded split's prefill look ~2×
+dearer than the engines ran it (docs/benchmarks.md, "The allocator at high concurrency").
+
 This module is the allocator's one import of the engine agent's pure performance model (`perf_model`,
 `model_profiles`): the policies need the same model the simulator and the simulated engines use.
 """
@@ -36,6 +43,10 @@ DEFAULT_PROFILE = "qwen3-235b"
 DEFAULT_ISL_TOKENS = 2048.0
 DEFAULT_OSL_TOKENS = 512.0
 DEFAULT_CONTEXT_TOKENS = 8192.0
+# Weight of `CapacityModel.miss_share`'s prior (a miss recomputes the whole context), in misses: one miss's
+# recompute ranges several-fold with its context (2k–100k tokens on the general agent), so until a few such turns
+# have been measured the prior dominates; a few windows of a loaded split report dozens.
+MISS_PRIOR_COUNT = 8.0
 
 if TYPE_CHECKING:  # a runtime import would close a cycle: policy.py imports the policies, which import this
     from services.allocator.policy import ClusterView
@@ -73,6 +84,10 @@ class CapacityModel:
     ewma_alpha: float = 0.2  # weight of the newest observation
     prefill_correction: float = 1.0  # observed / modelled prefill rate (EWMA)
     decode_correction: float = 1.0  # observed / modelled decode rate (EWMA)
+    # Tokens a turn sent away from its cache computes, as a share of the mean context (module doc): the prior is
+    # the whole context, which the engines' reports replace as they come (`_fold_misses`).
+    miss_share: float = 1.0
+    _miss_sums: tuple[float, float] = (0.0, 0.0)  # decayed (Σ misses, Σ misses × share)
 
     # --- modelled rates ---------------------------------------------------------------------------------------
     def modelled_prefill_tokens_per_s(self, isl_tokens: float, cached_tokens: float = 0.0) -> float:
@@ -207,6 +222,19 @@ class CapacityModel:
                 decode_ratios.append(e.decode_tokens_per_s / modelled)
         self.prefill_correction = self._ewma(self.prefill_correction, prefill_ratios)
         self.decode_correction = self._ewma(self.decode_correction, decode_ratios)
+        self._fold_misses(view, isl + cached)
+
+    def _fold_misses(self, view: ClusterView, mean_context: float) -> None:
+        """Fold the window's misses into `miss_share`: what they computed over the mean context of the window's
+        prefills, averaged over the misses reported with the weight of older windows decaying as the corrections'
+        does (1 − `ewma_alpha` a decision), and a prior of the whole context worth `MISS_PRIOR_COUNT` misses."""
+        n, s = (v * (1.0 - self.ewma_alpha) for v in self._miss_sums)
+        misses = view.recent_away_prefills
+        if misses > 0 and view.recent_requests > 0 and mean_context > 0:
+            n += misses
+            s += misses * min(4.0, view.recent_mean_away_new_tokens / mean_context)  # as `_ewma`, bounded
+        self._miss_sums = (n, s)
+        self.miss_share = (s + MISS_PRIOR_COUNT) / (n + MISS_PRIOR_COUNT)
 
     def _ewma(self, current: float, ratios: list[float]) -> float:
         finite = [r for r in ratios if math.isfinite(r) and r > 0]

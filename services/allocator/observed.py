@@ -1,8 +1,8 @@
 """What the allocator service observes, turned into a policy's `ClusterView` (pure; `now` is a parameter).
 
 * `RecentLoad` sums request-level load between two decisions, from the bus's lifecycle and engine events:
-  `TurnSubmitted` (a request arrives; its new tokens), `PrefillDone` (new vs cached tokens actually computed),
-  `RequestFinished` (output length). `take(now)` returns the window's figures and starts the next window.
+  `TurnSubmitted` (a request arrives; its new tokens), `PrefillDone` (new vs cached tokens actually computed, and
+  apart what the turns sent away from their engine's cache computed), `RequestFinished` (output length). `take(now)` returns the window's figures and starts the next window.
 * `QueueDepth` is what the WORK stream holds: prefill requests and decode handoffs not yet acknowledged. Messages an
   engine has pulled stay in a work-queue stream until acked, so the engines' own running + waiting are subtracted.
 * `build_view` makes the ClusterView from fresh engine stats only (the caller filters them by age), the roles the
@@ -31,6 +31,10 @@ class RecentWindow:
     mean_cached_tokens: float
     mean_osl_tokens: float
     mean_new_tokens: float = 0.0  # new prompt tokens per submitted turn (what the client appended)
+    away_prefills: int = (
+        0  # prefills of turns sent away from the engine holding their prefix (PrefillDone.away)
+    )
+    mean_away_new_tokens: float = 0.0  # prompt tokens each of them computed
 
 
 @dataclass
@@ -44,6 +48,8 @@ class RecentLoad:
     prefills: int = 0
     prefill_new_tokens: int = 0
     prefill_cached_tokens: int = 0
+    away_prefills: int = 0
+    away_new_tokens: int = 0
     finished: int = 0
     output_tokens: int = 0
 
@@ -52,10 +58,13 @@ class RecentLoad:
         self.submitted_new_tokens += new_tokens
         self.submitted_prompt_tokens += prompt_tokens
 
-    def observe_prefill(self, new_tokens: int, cached_tokens: int) -> None:
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, away: bool = False) -> None:
         self.prefills += 1
         self.prefill_new_tokens += new_tokens
         self.prefill_cached_tokens += cached_tokens
+        if away:
+            self.away_prefills += 1
+            self.away_new_tokens += new_tokens
 
     def observe_finished(self, output_tokens: int) -> None:
         self.finished += 1
@@ -82,7 +91,8 @@ class RecentLoad:
             isl = cached = 0.0
         osl = self.output_tokens / self.finished if self.finished else 0.0
         new = self.submitted_new_tokens / self.requests if self.requests else 0.0
-        return RecentWindow(window_s, self.requests, isl, cached, osl, new)
+        away = self.away_new_tokens / self.away_prefills if self.away_prefills else 0.0
+        return RecentWindow(window_s, self.requests, isl, cached, osl, new, self.away_prefills, away)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,5 +168,7 @@ def build_view(
         recent_mean_cached_tokens=recent.mean_cached_tokens,
         recent_mean_osl_tokens=recent.mean_osl_tokens,
         recent_mean_new_tokens=recent.mean_new_tokens,
+        recent_away_prefills=recent.away_prefills,
+        recent_mean_away_new_tokens=recent.mean_away_new_tokens,
         prefill_queue_len=sum(v.waiting for v in engines if v.role in ("prefill", "mixed")) + waiting_prefill,
     )

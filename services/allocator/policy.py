@@ -95,6 +95,11 @@ class ClusterView:
     # tokens `prefill_queue_tokens` counts (0 = not measured). At high concurrency most of a backlog waits in the
     # shared queue, not on the engines: the engines' `waiting` alone saw none of 8M queued tokens.
     prefill_queue_len: int = 0
+    # Of the window's prefills, those of turns placement sent away from the engine holding their prefix, and the
+    # prompt tokens each computed (0 = none or not measured): what a miss costs, as the engines measured it — the
+    # turns sent away are the shorter ones, and the engine that takes one holds part of it (its group's prompt).
+    recent_away_prefills: int = 0
+    recent_mean_away_new_tokens: float = 0.0
 
     def roles(self) -> dict[str, str]:
         """engine_id → the role it will serve (its target when switching)."""

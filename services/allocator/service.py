@@ -213,7 +213,7 @@ class AllocatorService(Service):
 
     async def _on_engine_event(self, msg: Message, raw: Msg) -> None:
         if isinstance(msg, PrefillDone):
-            self.recent.observe_prefill(msg.new_tokens, msg.cached_tokens)
+            self.recent.observe_prefill(msg.new_tokens, msg.cached_tokens, msg.away)
         elif isinstance(msg, RequestFinished):
             self.recent.observe_finished(msg.output_tokens)
 

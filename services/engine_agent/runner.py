@@ -548,6 +548,7 @@ class JobRunner:
             cached_tokens=cached,
             prefill_s=max(0.0, prefill_s),
             handed_off=handed_off,
+            away=req.affinity_engine not in ("", self.io.engine_id),
         )
 
     async def _finished(self, job: Job, reason: str) -> None:

@@ -124,9 +124,11 @@ class ProrsaPolicy(AllocatorPolicy):
     prior_model_error: float = 0.5
     error_weight: float = 0.2
     _error: float = field(default=-1.0, repr=False)
+    _error_n: int = field(default=0, repr=False)  # measurements folded into `_error`
     _memo: dict[tuple[Split, TurnShape, float], TurnTime] = field(default_factory=dict, repr=False)
     _queued: float = field(default=0.0, repr=False)  # prompts waiting for prefill now (turn_time's start)
     _queued_tokens: float = field(default=0.0, repr=False)
+    _running_mixed: bool = field(default=False, repr=False)  # the cluster runs mixed engines now (`_turn`)
     # The last step of each task mix, replayed through the model when the next one starts (step_memory.py).
     memory: StepMemory = field(default_factory=StepMemory, repr=False)
     # 1: choose each step's split from the last step of its mix; 0: mid-step decisions only
@@ -197,6 +199,7 @@ class ProrsaPolicy(AllocatorPolicy):
         self.capacity.observe(view)
         prefill_demand, decode_demand = role_demand(view)
         current = current_split(view)
+        self._running_mixed = current.mixed > 0
         # Demand one way: the forecast's outlook (outlook.py). None before a forecast with one has arrived: then N is
         # what the engines hold, the tool call a default, H the longest, and no step start is recognised (below).
         outlook = outlook_of(view)
@@ -553,7 +556,7 @@ class ProrsaPolicy(AllocatorPolicy):
         out: list[float] = []
         switch_s, transit = switch.of(current, target)
         recompute_s = switch.recompute_s(current, target, self.capacity, shape) if switch_s > 0 else 0.0
-        recompute_s += self._backlog_s(target)
+        backlog_s = self._backlog_s(target)
         for n in scenarios:
             if n <= 0:
                 out.append(0.0)
@@ -562,6 +565,8 @@ class ProrsaPolicy(AllocatorPolicy):
             if not math.isfinite(steady.turn_s):
                 out.append(math.inf)
                 continue
+            # A congested split keeps its queue (turn_model): it is in the turn time, not worked off once.
+            stock_s = recompute_s + (0.0 if steady.congested else backlog_s)
             if switch_s > 0:
                 moving = self._turn(transit, shape, n) if transit.total else _STOPPED
                 turns = projected_turns(steady, moving, switch_s, horizon_s)
@@ -569,7 +574,7 @@ class ProrsaPolicy(AllocatorPolicy):
                 turns = steady.turns_per_s * horizon_s
             # While the target's prefill engines recompute dropped caches and work off the queue it starts with,
             # they serve no new turn.
-            turns -= steady.turns_per_s * min(recompute_s, horizon_s)
+            turns -= steady.turns_per_s * min(stock_s, horizon_s)
             out.append(n * horizon_s / turns if turns > 0 else math.inf)
         return out
 
@@ -593,7 +598,12 @@ class ProrsaPolicy(AllocatorPolicy):
             # sees, which alone held the first move of a demo-sized step for most of it.
             noise = math.sqrt(2.0 / math.pi / view.recent_requests)
             miss = max(0.0, abs(math.log((n_live / rate) / projected)) - noise)
-            self._error += self.error_weight * (min(miss, 2.0) - self._error)
+            # The prior counts as one measurement, not as the 1 / error_weight an EWMA started on it would make
+            # it: each measurement weighs 1 / (measurements + 1) until that falls to `error_weight` (the running
+            # mean of the prior and the measurements so far, then the EWMA). A weight of 0 measures nothing.
+            self._error_n += 1
+            weight = max(self.error_weight, 1.0 / (self._error_n + 1)) if self.error_weight > 0 else 0.0
+            self._error += weight * (min(miss, 2.0) - self._error)
         return self._error
 
     def _turn(self, split: Split, shape: TurnShape, n: float) -> TurnTime:
@@ -601,11 +611,15 @@ class ProrsaPolicy(AllocatorPolicy):
         key = (split, shape, n)
         hit = self._memo.get(key)
         if hit is None:
-            # A split's steady state does not depend on the queue it starts from (turn_model: placement sheds what
-            # an engine cannot take, so the loop has one solution); the queue is a stock its prefill engines work
-            # off once (`_backlog_s`). Colocation inherits the queue's share of whole-context recomputes as its
-            # state: its caches, squeezed by its own decodes, are what made that queue (turn_model's `_colocated`).
-            queued, tokens = (self._queued, self._queued_tokens) if split.mixed else (0.0, 0.0)
+            # Colocation inherits the queue's share of misses as its state: its caches, squeezed by its own decodes,
+            # are what made that queue (turn_model's `_colocated`). A split starts from the queue a split made — on
+            # its congested branch where that queue is past its engines' patience and its misses keep it there
+            # (turn_model's `_disaggregated`), else it is a stock its prefill engines work off once (`_backlog_s`).
+            # Not from colocation's: that queue is of whole contexts colocation's squeezed caches lost, which a
+            # split's caches hold — read as a split's state it kept colocation best for 1,500 s on qwen3-235b at
+            # 512 while 4:4 ran 2.7× faster (docs/benchmarks.md, item 4).
+            from_split = split.mixed or not self._running_mixed
+            queued, tokens = (self._queued, self._queued_tokens) if from_split else (0.0, 0.0)
             hit = self._memo[key] = turn_time(
                 split, shape, n, self.capacity, self.max_waiting, queued, tokens
             )
@@ -613,8 +627,8 @@ class ProrsaPolicy(AllocatorPolicy):
 
     def _backlog_s(self, target: Split) -> float:
         """Seconds a split's prefill engines spend on the prompts queued now: a stock to work off once, at their
-        full rate (a split reached by a move pays it on top of the caches the move drops). Colocation carries the
-        queue in its turn time instead (`_turn`)."""
+        full rate (a split reached by a move pays it on top of the caches the move drops; a congested split keeps
+        it instead, `scenario_scores`). Colocation carries the queue in its turn time instead (`_turn`)."""
         if target.mixed or self._queued_tokens <= 0:
             return 0.0
         return self._queued_tokens / (
@@ -826,6 +840,8 @@ def _check_view(view: ClusterView) -> None:
         "recent_mean_cached_tokens": view.recent_mean_cached_tokens,
         "recent_mean_osl_tokens": view.recent_mean_osl_tokens,
         "recent_mean_new_tokens": view.recent_mean_new_tokens,
+        "recent_away_prefills": view.recent_away_prefills,
+        "recent_mean_away_new_tokens": view.recent_mean_away_new_tokens,
     }
     for name, v in figures.items():
         if not (math.isfinite(v) and v >= 0):

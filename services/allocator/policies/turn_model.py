@@ -22,8 +22,8 @@ Stations a turn visits (Schweitzer's approximate mean value analysis, solved as 
   Placement sends a turn away when more prompts wait at its engine than its recompute is worth
   (`services.runtime.affinity`: context / new tokens, at least 8), so each engine's queue of its own trajectories is
   an M/M/1/C queue that refuses an arrival finding C = patience + 1 prompts: the share sent away is its blocking
-  probability, (1 − ρ) ρ^C / (1 − ρ^(C+1)), and one of them recomputes its whole context where another engine
-  takes it (`_elsewhere`);
+  probability, (1 − ρ) ρ^C / (1 − ρ^(C+1)), and one of them recomputes what the engines measure such a turn
+  computing where another engine takes it (`_elsewhere`, `_miss_tokens`);
 * handoff: a delay of the KV transfer of the context (split only);
 * decode: D engines, continuous batching. A sequence arriving on an engine with q others decodes at the step
   time of a batch of q + 1 (arrival theorem), capped by the batch limit (max_batch and KV room), beyond which it
@@ -81,6 +81,8 @@ class TurnTime:
     decode_s: float  # output tokens × step time (including the wait for a batch slot)
     handoff_s: float
     tool_s: float
+    # A split's congested branch (`_disaggregated`): its queue does not drain, so it is its state, not a stock.
+    congested: bool = False
 
 
 def turn_time(
@@ -99,9 +101,10 @@ def turn_time(
     them (affinity keeps a trajectory's turns on the mixed engine holding its cache). `max_waiting`: the least
     patience of placement's affinity rule, in prompts (`services.runtime.affinity`).
     `queued_prefills`, `queued_tokens`: prompts and their tokens waiting for prefill in the cluster now. Colocation
-    takes their share of whole-context recomputes as its state when they alone are past the rule's patience
-    (`_congested_miss_share`); a split's solution does not depend on them (`sent_away`: placement sheds what an
-    engine cannot take, so its loop has one solution) — a caller prices a split's queue as a stock to work off."""
+    takes their share of misses as its state when they alone are past the rule's patience
+    (`_congested_miss_share`); a split takes its congested branch when they are past its prefill engines' patience
+    and its misses keep them there (`_disaggregated`, `TurnTime.congested`), else its loop settles where it would
+    from no misses — and a caller prices the queue as a stock to work off."""
     n = max(float(trajectories), 0.0)
     if n <= 0:
         return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
@@ -109,7 +112,9 @@ def turn_time(
         return _colocated(split.mixed, shape, n, cap, max_waiting, queued_prefills, queued_tokens)
     if split.prefill <= 0 or split.decode <= 0:
         return TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, shape.tool_s)
-    return _disaggregated(split.prefill, split.decode, shape, n, cap, max_waiting)
+    return _disaggregated(
+        split.prefill, split.decode, shape, n, cap, max_waiting, queued_prefills, queued_tokens
+    )
 
 
 def _decode_context(shape: TurnShape) -> float:
@@ -149,8 +154,8 @@ def _congested_miss_share(
     patience_prompts: float,
 ) -> float | None:
     """The congested branch's start: when the prefill queue the cluster holds now is, on its own, past placement's
-    patience on each of `engines` (more prompts each than a turn waits behind), the share of whole-context
-    recomputes in it — its mean job placed between a hit's `hit_tokens` and a whole context's `whole_tokens` — for
+    patience on each of `engines` (more prompts each than a turn waits behind), the share of misses in it — its
+    mean job placed between a hit's `hit_tokens` and a miss's `whole_tokens` (`_miss_tokens`) — for
     the engines there are to miss on (`_elsewhere`). None while the queue is shorter or there is no other engine."""
     if queued_prefills <= 0 or queued_prefills / engines <= patience_prompts or engines < 2:
         return None
@@ -224,6 +229,13 @@ def _elsewhere(engines: int) -> float:
     return (engines - 1) / engines
 
 
+def _miss_tokens(cap: CapacityModel, hit_uncached: float, ctx_in: float) -> float:
+    """Prompt tokens a turn sent away computes where another engine takes it: `cap.miss_share` of the mean context
+    (what the engines report such turns computing, `CapacityModel._fold_misses`; the whole context until they have),
+    never less than a hit computes."""
+    return max(hit_uncached, cap.miss_share * ctx_in)
+
+
 def _disaggregated(
     n_prefill: int,
     n_decode: int,
@@ -231,11 +243,14 @@ def _disaggregated(
     n: float,
     cap: CapacityModel,
     max_waiting: float,
+    queued_prefills: float = 0.0,
+    queued_tokens: float = 0.0,
 ) -> TurnTime:
     hit_uncached = max(1.0, shape.new_tokens + shape.output_tokens)
     ctx_in = max(hit_uncached, shape.context_tokens)
     rate_hit = cap.prefill_tokens_per_s(hit_uncached, ctx_in - hit_uncached)
-    rate_miss = cap.prefill_tokens_per_s(ctx_in, 0.0)
+    miss_uncached = _miss_tokens(cap, hit_uncached, ctx_in)
+    rate_miss = cap.prefill_tokens_per_s(miss_uncached, max(0.0, ctx_in - miss_uncached))
     handoff = pm.kv_transfer_time_s(cap.profile, round(shape.context_tokens))
     ctx = _decode_context(shape)
     limit = cap.decode_batch_limit(ctx)
@@ -243,14 +258,18 @@ def _disaggregated(
     out = max(1.0, shape.output_tokens)
     shrink = max(0.0, (n - 1.0) / n)  # Schweitzer: the queue an arrival sees, without itself (none below one)
     # Placement's rule (services.runtime.affinity): a turn leaves its engine when more prompts wait there than its
-    # recompute is worth (`sent_away`); it then recomputes its whole context if another engine takes it.
+    # recompute is worth (`sent_away`); it then recomputes a miss's tokens if another engine takes it.
     patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
     elsewhere = _elsewhere(n_prefill)
 
+    def service(miss: float) -> float:
+        """A prefill engine's seconds per turn when a share `miss` of turns are misses."""
+        return (1.0 - miss) * hit_uncached / rate_hit + miss * miss_uncached / rate_miss
+
     def solve(miss: float, q_p: float, q_d: float) -> tuple[float, float, float, float, float, float]:
-        """The network's mean values (Schweitzer) for a share `miss` of whole-context recomputes, from queues
+        """The network's mean values (Schweitzer) for a share `miss` of turns sent away to recompute, from queues
         `q_p`, `q_d`: (R, prefill, decode, a prefill engine's utilisation, q_p, q_d)."""
-        s_prefill = (1.0 - miss) * hit_uncached / rate_hit + miss * ctx_in / rate_miss
+        s_prefill = service(miss)
         r = r_p = r_d = x = last = 0.0
         for _ in range(_ITERATIONS):
             r_p = s_prefill * (1.0 + q_p * shrink)
@@ -266,6 +285,21 @@ def _disaggregated(
             last = r
         return r, r_p, r_d, x / n_prefill * s_prefill, q_p, q_d
 
+    # A loop that is congested now — more prompts queued than each prefill engine's patience, so the shared queue
+    # holds the rest — stays so while the misses congestion makes keep it there: every engine busy, turns meet
+    # their engine's queue at its patience and a share sent_away(1) of them leaves, and the prefill engines' rate
+    # at that share (`service`) is below what the rest of the loop (tool, handoff, decode) sends them with no
+    # queue. That is the congested branch: the queue does not drain, turns are served at the engines' rate.
+    # Otherwise the queue drains and the loop settles where it would from no misses (below). The branch is real:
+    # 9:7 on 16 engines of deepseek-v3.2 at 821 live trajectories of 35k-token contexts held 245 queued prompts
+    # for 150 s with 4.7 % of turns sent away (sent_away(1) at its patience: 4.9 %) and 13.7 s a turn; from no
+    # misses the model put it at 10.8 s with an idle queue, and the policy held it against 10:6.
+    if queued_prefills > n_prefill * patience_prompts:
+        saturated = elsewhere * sent_away(1.0, patience_prompts)
+        r, r_p, r_d, _, _, _ = solve(saturated, 0.0, 0.0)
+        s_sat = service(saturated)
+        if n / (r - r_p + s_sat) >= n_prefill / s_sat:  # the loop sends more than the engines serve
+            return TurnTime(r, n / r, r_p, r_d, handoff, shape.tool_s, congested=True)
     # The misses are the least fixed point of miss = elsewhere × sent_away(ρ(miss)), ρ(miss) the utilisation the
     # network settles at with that share of recomputes: the map is increasing (more recomputes, busier prefill
     # engines, more turns sent away) and bounded, so iterating it from no misses climbs to that point — the state
@@ -296,11 +330,12 @@ def _colocated(
     ranks = p.dp_ranks
     hit_uncached = max(1.0, shape.new_tokens)
     # The same congested start as a split's (_disaggregated): a queue past placement's patience sends turns away
-    # from their cache, and the share of whole-context recomputes is the one the queue holds now.
+    # from their cache, and the share of misses is the one the queue holds now.
     ctx_in = max(hit_uncached, shape.context_tokens)
+    miss_uncached = _miss_tokens(cap, hit_uncached, ctx_in)
     patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
     miss = _congested_miss_share(
-        queued_prefills, queued_tokens, n_mixed, hit_uncached, ctx_in, patience_prompts
+        queued_prefills, queued_tokens, n_mixed, hit_uncached, miss_uncached, patience_prompts
     )
     away = 0.0 if miss is None else miss
     # A mixed engine caches each turn's prompt + answer in the KV its running decodes leave free
@@ -315,15 +350,17 @@ def _colocated(
     shrink = max(0.0, (n - 1.0) / n)
     stalls: dict[int, tuple[float, float]] = {}
 
-    def prompt_cost(whole: float) -> tuple[float, float]:
-        """(stall, steps) of a prompt when a share `whole` of turns recomputes its whole context. Each chunk
-        makes its step dp_ranks × its compute longer (perf_model.mixed_step_time_s): over the prompt's chunks that
-        adds up to dp_ranks × the prompt's compute, corrected online."""
-        key = round(whole * 1000)  # the fixed point revisits the same shares: per-mille steps are kept
+    def prompt_cost(lost: float) -> tuple[float, float]:
+        """(stall, steps) of a prompt when a share `away` of turns is sent away (`_miss_tokens`) and a share `lost`
+        finds its engine's cache has dropped its prefix (its whole context: LRU drops the trajectories that wait
+        longest, not the shorter ones placement sends away). Each chunk makes its step dp_ranks × its compute
+        longer (perf_model.mixed_step_time_s): over the prompt's chunks that adds up to dp_ranks × the prompt's
+        compute, corrected online."""
+        key = round(lost * 1000)  # the fixed point revisits the same shares: per-mille steps are kept
         hit = stalls.get(key)
         if hit is None:
             w = key / 1000
-            uncached = (1.0 - w) * hit_uncached + w * ctx_in
+            uncached = (1.0 - away - w) * hit_uncached + away * miss_uncached + w * ctx_in
             cached = max(0.0, shape.context_tokens - uncached)
             stall = ranks * pm.prefill_compute_s(p, round(uncached), round(cached)) / cap.prefill_correction
             hit = stalls[key] = (stall, max(1.0, uncached / p.mixed_chunk_tokens))
@@ -338,7 +375,7 @@ def _colocated(
         kept = cache_hit_share(p.kv_capacity_tokens - running * ctx, working_set)
         t_decode = step(running)
         hosted = (1.0 - away) * host_tier_share(p, working_set, kept)  # device misses host memory holds
-        stall, steps = prompt_cost(1.0 - (1.0 - away) * kept - hosted)
+        stall, steps = prompt_cost(max(0.0, (1.0 - away) * (1.0 - kept) - hosted))
         stall += hosted * host_reload_stall_s(p, shape.context_tokens, t_decode)
         s_prompt = stall + steps * t_decode  # time the prompt holds its rank
         t_mixed = t_decode + stall / steps  # one step that carries a chunk
