@@ -460,7 +460,9 @@ def test_build_view_maps_stats_targets_and_queues() -> None:
     }
     recent = RecentLoad(started_s=95.0)
     recent.observe_prefill(1000, 0)
+    recent.observe_prefill(1000, 0, away=True)
     view = build_view(now, stats, {"m": "decode"}, {"p": "decode"}, QueueDepth(10, 50), recent.take(now))
+    assert (view.recent_away_prefills, view.recent_mean_away_new_tokens) == (1, 1000.0)
     by_id = {e.engine_id: e for e in view.engines}
     assert (
         by_id["p"].role == "decode" and by_id["p"].queued_prefill_tokens == 0

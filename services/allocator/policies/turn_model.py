@@ -93,6 +93,7 @@ def turn_time(
     max_waiting: float = MAX_WAITING,
     queued_prefills: float = 0.0,
     queued_tokens: float = 0.0,
+    queue_patience: float = 0.0,
 ) -> TurnTime:
     """R and X for `trajectories` live trajectories on `split` (a plain P:D split or full colocation 0:0:M).
 
@@ -104,7 +105,9 @@ def turn_time(
     takes their share of misses as its state when they alone are past the rule's patience
     (`_congested_miss_share`); a split takes its congested branch when they are past its prefill engines' patience
     and its misses keep them there (`_disaggregated`, `TurnTime.congested`), else its loop settles where it would
-    from no misses — and a caller prices the queue as a stock to work off."""
+    from no misses — and a caller prices the queue as a stock to work off. `queue_patience`: the patience of the
+    turns queued now, which the queue is past or not (0: this shape's) — a caller pricing a later turn (longer
+    contexts, more patience) asks whether today's queue is congested, and whether that congestion lasts there."""
     n = max(float(trajectories), 0.0)
     if n <= 0:
         return TurnTime(0.0, 0.0, 0.0, 0.0, 0.0, shape.tool_s)
@@ -113,7 +116,15 @@ def turn_time(
     if split.prefill <= 0 or split.decode <= 0:
         return TurnTime(math.inf, 0.0, math.inf, math.inf, 0.0, shape.tool_s)
     return _disaggregated(
-        split.prefill, split.decode, shape, n, cap, max_waiting, queued_prefills, queued_tokens
+        split.prefill,
+        split.decode,
+        shape,
+        n,
+        cap,
+        max_waiting,
+        queued_prefills,
+        queued_tokens,
+        queue_patience,
     )
 
 
@@ -245,6 +256,7 @@ def _disaggregated(
     max_waiting: float,
     queued_prefills: float = 0.0,
     queued_tokens: float = 0.0,
+    queue_patience: float = 0.0,
 ) -> TurnTime:
     hit_uncached = max(1.0, shape.new_tokens + shape.output_tokens)
     ctx_in = max(hit_uncached, shape.context_tokens)
@@ -294,7 +306,7 @@ def _disaggregated(
     # 9:7 on 16 engines of deepseek-v3.2 at 821 live trajectories of 35k-token contexts held 245 queued prompts
     # for 150 s with 4.7 % of turns sent away (sent_away(1) at its patience: 4.9 %) and 13.7 s a turn; from no
     # misses the model put it at 10.8 s with an idle queue, and the policy held it against 10:6.
-    if queued_prefills > n_prefill * patience_prompts:
+    if queued_prefills > n_prefill * (queue_patience or patience_prompts):
         saturated = elsewhere * sent_away(1.0, patience_prompts)
         r, r_p, r_d, _, _, _ = solve(saturated, 0.0, 0.0)
         s_sat = service(saturated)
