@@ -41,7 +41,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 S = Subjects()
 REPO = Path(__file__).resolve().parents[1]
-ACK_WAIT_S = 10.0
+# JetStream redelivers an unacked turn this long after it was pulled: the test's bound on "handed on at once". Long
+# enough that B's pull and prefill of the handed-on turn fit under a loaded machine (at 10 s it timed out once in a
+# full suite with both cores busy), still far from an unbounded wait: arriving later could be the redelivery.
+ACK_WAIT_S = 30.0
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
@@ -122,7 +125,8 @@ async def test_killed_engine_core_moves_the_work_and_the_agent_exits_for_a_resta
                 e.request_id == "turn" and e.engine_id == "healthy" for e in watcher.of(proto.PrefillDone)
             )
 
-        # Handed on by A at once, so B has it well within JetStream's ack_wait (a silent crash's redelivery).
+        # Handed on by A at once, so B has it before JetStream's ack_wait could redeliver it (a silent crash's
+        # path): A pulled it before the kill, so a redelivery comes no sooner than ACK_WAIT_S after it.
         await wait_until(moved, timeout_s=ACK_WAIT_S)
         moved_s = time.monotonic() - killed
         assert a.wait(timeout=60) == 1  # it left by itself, for its supervisor to restart it
