@@ -151,9 +151,8 @@ class SimEngine(EngineCore):
 
     def _on_prefill_done(self, seq: Request, now: float) -> None:  # type: ignore[override]
         last = seq.traj.last_engine
-        if (
-            last is not None and last is not self and not seq.migrated
-        ):  # sent away (the live PrefillDone.away)
+        # Sent away from the engine that prefilled its last turn: the live agent's `PrefillDone.away`.
+        if last is not None and last is not self and not seq.migrated:
             self.metrics.away_prefills += 1
             self.metrics.away_computed_tokens += seq.to_compute_tokens
         seq.traj.last_engine = self

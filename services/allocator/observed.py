@@ -2,7 +2,8 @@
 
 * `RecentLoad` sums request-level load between two decisions, from the bus's lifecycle and engine events:
   `TurnSubmitted` (a request arrives; its new tokens), `PrefillDone` (new vs cached tokens actually computed, and
-  apart what the turns sent away from their engine's cache computed), `RequestFinished` (output length). `take(now)` returns the window's figures and starts the next window.
+  apart what the turns sent away from their engine's cache computed), `RequestFinished` (output length).
+  `take(now)` returns the window's figures and starts the next window.
 * `QueueDepth` is what the WORK stream holds: prefill requests and decode handoffs not yet acknowledged. Messages an
   engine has pulled stay in a work-queue stream until acked, so the engines' own running + waiting are subtracted.
 * `build_view` makes the ClusterView from fresh engine stats only (the caller filters them by age), the roles the
@@ -31,10 +32,10 @@ class RecentWindow:
     mean_cached_tokens: float
     mean_osl_tokens: float
     mean_new_tokens: float = 0.0  # new prompt tokens per submitted turn (what the client appended)
-    away_prefills: int = (
-        0  # prefills of turns sent away from the engine holding their prefix (PrefillDone.away)
-    )
-    mean_away_new_tokens: float = 0.0  # prompt tokens each of them computed
+    # Prefills of turns sent away from the engine holding their prefix (PrefillDone.away), and the prompt tokens
+    # each of them computed.
+    away_prefills: int = 0
+    mean_away_new_tokens: float = 0.0
 
 
 @dataclass

@@ -78,10 +78,16 @@ from services.allocator.policies.common import (
 )
 from services.allocator.policies.outlook import Outlook, outlook_of
 from services.allocator.policies.step_memory import StepMemory, model_error
-from services.allocator.policies.turn_model import TurnShape, TurnTime, projected_turns, turn_time
+from services.allocator.policies.turn_model import (
+    TurnShape,
+    TurnTime,
+    projected_turns,
+    turn_patience,
+    turn_time,
+)
 from services.allocator.policy import AllocatorPolicy, ClusterView, Plan, PolicyError
 from services.allocator.switch_coordinator import DRAIN_TIMEOUT_S
-from services.runtime.affinity import MAX_WAITING, patience, worth_prompts
+from services.runtime.affinity import MAX_WAITING
 
 QUANTILES = ("q10", "q50", "q90")
 # Three-point rule for a normal forecast: q10 and q90 lie at ∓1.2816 σ; weights w, 1 − 2w, w reproduce the
@@ -226,9 +232,7 @@ class ProrsaPolicy(AllocatorPolicy):
         self.last_shape = shape
         # The queue now is past a split's patience or not at today's turn, whichever turn a split is priced on
         # (`_ahead` prices the horizon's midpoint: longer contexts, more patience, the same queue today).
-        self._queue_patience = patience(
-            worth_prompts(shape.context_tokens, shape.new_tokens), self.max_waiting
-        )
+        self._queue_patience = turn_patience(shape, self.max_waiting)
         n_live = self.live_trajectories(view, outlook, shape)
         if (
             n_live > 0 and measured[2] and view.recent_requests > 0
@@ -317,7 +321,8 @@ class ProrsaPolicy(AllocatorPolicy):
                 reason=f"{self.name}: {current} -> {target} (a move under way)",
             )
         self._moving_to = None
-        if best == current or not (scored[best] < current_j * (1.0 - self.margin - error)):
+        bar = current_j * (1.0 - self.margin - error)  # the score a move must beat
+        if best == current or not (scored[best] < bar):
             return None
         if not sample_stands:
             # Until about one turn per live trajectory has finished and the first prompts are at most a third of the
@@ -351,7 +356,6 @@ class ProrsaPolicy(AllocatorPolicy):
         if not holds(best):
             if not sample_stands:
                 return None
-            bar = current_j * (1.0 - self.margin - error)
             others = sorted(
                 (c for c in scored if c not in (best, current) and scored[c] < bar), key=scored.__getitem__
             )

@@ -128,6 +128,12 @@ def turn_time(
     )
 
 
+def turn_patience(shape: TurnShape, max_waiting: float = MAX_WAITING) -> float:
+    """Placement's patience for the mean turn of `shape`, in prompts queued at its engine
+    (`services.runtime.affinity`)."""
+    return patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
+
+
 def _decode_context(shape: TurnShape) -> float:
     # KV of a decoding sequence, averaged over its decode: the prompt plus half the answer.
     return max(1.0, shape.context_tokens + shape.output_tokens / 2.0)
@@ -271,7 +277,7 @@ def _disaggregated(
     shrink = max(0.0, (n - 1.0) / n)  # Schweitzer: the queue an arrival sees, without itself (none below one)
     # Placement's rule (services.runtime.affinity): a turn leaves its engine when more prompts wait there than its
     # recompute is worth (`sent_away`); it then recomputes a miss's tokens if another engine takes it.
-    patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
+    patience_prompts = turn_patience(shape, max_waiting)
     elsewhere = _elsewhere(n_prefill)
 
     def service(miss: float) -> float:
@@ -345,7 +351,7 @@ def _colocated(
     # from their cache, and the share of misses is the one the queue holds now.
     ctx_in = max(hit_uncached, shape.context_tokens)
     miss_uncached = _miss_tokens(cap, hit_uncached, ctx_in)
-    patience_prompts = patience(worth_prompts(shape.context_tokens, shape.new_tokens), max_waiting)
+    patience_prompts = turn_patience(shape, max_waiting)
     miss = _congested_miss_share(
         queued_prefills, queued_tokens, n_mixed, hit_uncached, miss_uncached, patience_prompts
     )
