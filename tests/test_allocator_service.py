@@ -430,6 +430,7 @@ def test_recent_load_windows_and_resets() -> None:
         1800.0,
         50.0,
     )
+    assert w.finished == 1  # the count the answer length is the mean of
     r.observe_turn(new_tokens=100, prompt_tokens=1000)
     r.observe_prefill(new_tokens=700, cached_tokens=300)  # what the engine computed wins over what was sent
     w = r.take(16.0)
@@ -461,8 +462,11 @@ def test_build_view_maps_stats_targets_and_queues() -> None:
     recent = RecentLoad(started_s=95.0)
     recent.observe_prefill(1000, 0)
     recent.observe_prefill(1000, 0, away=True)
+    recent.observe_finished(120)
+    recent.observe_finished(80)
     view = build_view(now, stats, {"m": "decode"}, {"p": "decode"}, QueueDepth(10, 50), recent.take(now))
     assert (view.recent_away_prefills, view.recent_mean_away_new_tokens) == (1, 1000.0)
+    assert (view.recent_finished, view.recent_mean_osl_tokens) == (2, 100.0)
     by_id = {e.engine_id: e for e in view.engines}
     assert (
         by_id["p"].role == "decode" and by_id["p"].queued_prefill_tokens == 0

@@ -205,10 +205,12 @@ def sync_step(  # type: ignore[no-untyped-def]
 
 def replay_only_policy(spec: str = "prorsa"):  # type: ignore[no-untyped-def]
     """`spec` on deepseek-v3.2 whose decisions within a step never move (an untested model's error, never
-    measured down): only the step memory's replays act."""
+    measured down, and no escape from a colocated start, which the error does not hold): only the step memory's
+    replays act."""
     policy = make_policy(spec, 8, profile="deepseek-v3.2")
     policy.prior_model_error = 10.0
     policy.error_weight = 0.0
+    policy.escape = 0
     return policy
 
 

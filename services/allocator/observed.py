@@ -36,6 +36,7 @@ class RecentWindow:
     # each of them computed.
     away_prefills: int = 0
     mean_away_new_tokens: float = 0.0
+    finished: int = 0  # answers that ended in the window (the count `mean_osl_tokens` is the mean of)
 
 
 @dataclass
@@ -93,7 +94,9 @@ class RecentLoad:
         osl = self.output_tokens / self.finished if self.finished else 0.0
         new = self.submitted_new_tokens / self.requests if self.requests else 0.0
         away = self.away_new_tokens / self.away_prefills if self.away_prefills else 0.0
-        return RecentWindow(window_s, self.requests, isl, cached, osl, new, self.away_prefills, away)
+        return RecentWindow(
+            window_s, self.requests, isl, cached, osl, new, self.away_prefills, away, self.finished
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,5 +174,6 @@ def build_view(
         recent_mean_new_tokens=recent.mean_new_tokens,
         recent_away_prefills=recent.away_prefills,
         recent_mean_away_new_tokens=recent.mean_away_new_tokens,
+        recent_finished=recent.finished,
         prefill_queue_len=sum(v.waiting for v in engines if v.role in ("prefill", "mixed")) + waiting_prefill,
     )

@@ -100,6 +100,8 @@ class ClusterView:
     # turns sent away are the shorter ones, and the engine that takes one holds part of it (its group's prompt).
     recent_away_prefills: int = 0
     recent_mean_away_new_tokens: float = 0.0
+    # Answers that ended in the window (0 = none, or not measured), of which `recent_mean_osl_tokens` is the mean.
+    recent_finished: int = 0
 
     def roles(self) -> dict[str, str]:
         """engine_id → the role it will serve (its target when switching)."""

@@ -221,8 +221,10 @@ class ProrsaPolicy(AllocatorPolicy):
             self._shape_sums = tuple(sums)
             self._drift_fit, self._context_drift = None, math.nan
         self._turns_seen += view.recent_requests
-        if view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
-            # turns finished in the window ≈ output tokens generated / mean answer
+        if view.recent_finished > 0:  # the answers that ended, as the engines counted them
+            self._turns_finished += view.recent_finished
+        elif view.recent_mean_osl_tokens > 0 and view.recent_window_s > 0:
+            # a view without the count: output tokens generated / mean answer
             self._turns_finished += (
                 view.decode_tokens_per_s * view.recent_window_s / view.recent_mean_osl_tokens
             )
@@ -307,7 +309,7 @@ class ProrsaPolicy(AllocatorPolicy):
             if so_far is None or so_far[0] < n_live or abs(math.log(so_far[1])) <= self.margin:
                 return None
             self._step_held = False
-        sample_stands = self._turns_finished >= n_live and self._turns_seen >= 3 * n_live
+        sample_stands = self._sample_stands(n_live)
         target = self._moving_to
         if target is not None and target.total == len(view.engines) and current != target:
             # A move, once chosen, is carried through: the coordinator moves a quarter of the fleet per plan, and
@@ -321,7 +323,11 @@ class ProrsaPolicy(AllocatorPolicy):
                 reason=f"{self.name}: {current} -> {target} (a move under way)",
             )
         self._moving_to = None
-        bar = current_j * (1.0 - self.margin - error)  # the score a move must beat
+        # The score a move must beat. Before the sample stands the error measured so far is no model's: Little's
+        # law over windows whose turns are the population's first prompts, sent at once and answered over the
+        # next turn time, reads the burst (0.35-0.5 at 128 trajectories on deepseek-v3.2, where the model put
+        # colocation's turn at 14.6 s and it ran 13.9-15.2) — there the escape's two guesses stand in for it (`_escape`).
+        bar = current_j * (1.0 - self.margin - (error if sample_stands else 0.0))
         if best == current or not (scored[best] < bar):
             return None
         if not sample_stands:
@@ -330,9 +336,7 @@ class ProrsaPolicy(AllocatorPolicy):
             # prompts, the shortest answers), not the loop the model is of: a move on it would be a guess — unless
             # it is the escape from a colocated start that a default turn agrees with (`_escape`).
             escape = (
-                self._escape(current, current_j, scored, scenarios, horizon, switch, error)
-                if self.escape
-                else None
+                self._escape(current, current_j, scored, scenarios, horizon, switch) if self.escape else None
             )
             if escape is None:
                 return None
@@ -379,12 +383,13 @@ class ProrsaPolicy(AllocatorPolicy):
         scenarios: Sequence[float],
         horizon_s: float,
         switch: _SwitchCosts,
-        error: float,
     ) -> Split | None:
         """The split to leave a colocated start for before the turn sample stands, or None. The first turns are a
-        biased sample (short answers, short contexts), so the move must also win on a turn the policy knows
+        biased sample (first prompts, short contexts), so the move must also win on a turn the policy knows
         nothing about — the default turn (capacity.DEFAULT_*, a tool call of DEFAULT_TOOL_S) — by the same
-        `margin` + measured error: two guesses that bracket the loop agree that colocation loses. Of the splits
+        `margin`: two guesses that bracket the loop agree that colocation loses. (Not by the measured error too:
+        before the sample stands that is the burst's, `plan`; it held 128 trajectories on deepseek-v3.2
+        colocated for 25 s while both guesses put 3:5 22-48 % ahead, and colocation ran 1.8× slower.) Of the splits
         that win on both, the one whose worse ratio to each guess's best is least. Only from colocation: it is the
         start-up roles, held for want of a sample, and at a step's start contexts are short, so the caches a move
         drops and the prompts it drains cost little; every move after it waits for the sample. At 512 trajectories
@@ -393,7 +398,7 @@ class ProrsaPolicy(AllocatorPolicy):
         if not current.mixed:
             return None
         prior = TurnShape(DEFAULT_ISL_TOKENS, DEFAULT_OSL_TOKENS, DEFAULT_CONTEXT_TOKENS, DEFAULT_TOOL_S)
-        bar = 1.0 - self.margin - error
+        bar = 1.0 - self.margin
         on_prior = {
             c: self.score(c, current, prior, scenarios, horizon_s, switch) for c in scored if not c.mixed
         }
@@ -458,6 +463,12 @@ class ProrsaPolicy(AllocatorPolicy):
         return self.score(target, current, ahead, later, horizon_s, switch) < self.score(
             current, current, ahead, later, horizon_s, switch
         )
+
+    def _sample_stands(self, n_live: float) -> bool:
+        """Whether the turns seen since the live population formed are a sample of its loop: about one turn per
+        live trajectory has finished, and its first prompts are at most a third of the turns seen. Before that the
+        mean turn is whichever turns came first (a step's first prompts, the shortest answers)."""
+        return self._turns_finished >= n_live and self._turns_seen >= 3 * n_live
 
     def _settling(self, view: ClusterView) -> bool:
         """Whether the last move within a step is still under way: an engine switches, or the prefill engines are
@@ -678,7 +689,7 @@ class ProrsaPolicy(AllocatorPolicy):
         Little's-law estimate, 0 at a step's start before any trajectory is in a tool; the context grows turn by
         turn, and the forecaster knows each live trajectory's). Without an outlook: the window's ISL + cached and
         a default tool call."""
-        osl = view.recent_mean_osl_tokens if view.recent_mean_osl_tokens > 0 else DEFAULT_OSL_TOKENS
+        osl = self._answer_tokens(view, outlook)
         isl = view.recent_mean_isl_tokens if view.recent_mean_isl_tokens > 0 else DEFAULT_ISL_TOKENS
         context = isl + max(0.0, view.recent_mean_cached_tokens)
         if view.recent_mean_new_tokens > 0:
@@ -692,6 +703,26 @@ class ProrsaPolicy(AllocatorPolicy):
             context = outlook.context_tokens if outlook.context_tokens is not None else context
             tool = outlook.tool_s if outlook.tool_s is not None else tool
         return TurnShape(new, osl, max(context, new), tool)
+
+    def _answer_tokens(self, view: ClusterView, outlook: Outlook | None) -> float:
+        """The window's mean answer. Once the turn sample stands, the mean of the answers that ended in it (the
+        engines' count). Before, those are censored — only the shortest have ended: 35 tokens at 5 s into a step of
+        128 trajectories on deepseek-v3.2, 150 at 20 s, against the loop's ~185 — and the answer is the output
+        tokens generated over the answers that ended: the loop's own balance in a steady state, and in the first
+        turn the estimate of a mean from lengths cut off (every answer's tokens so far over the answers that
+        ended): 229 tokens at 10 s, 193 at 20 s on the same step. Not after: it counts the tokens of answers the
+        window did not see end, so it moves with the batch in flight (a ramp, a drain), which the ended answers'
+        mean does not. The population is the outlook's live trajectories, else what the engines hold."""
+        ended = view.recent_mean_osl_tokens if view.recent_mean_osl_tokens > 0 else DEFAULT_OSL_TOKENS
+        generated = view.decode_tokens_per_s * view.recent_window_s
+        if view.recent_finished <= 0 or generated <= 0:
+            return ended
+        population = (
+            float(outlook.live)
+            if outlook is not None
+            else float(sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len)
+        )
+        return ended if self._sample_stands(population) else generated / view.recent_finished
 
     @staticmethod
     def measured(view: ClusterView, outlook: Outlook | None) -> tuple[bool, bool, bool, bool]:
@@ -710,13 +741,18 @@ class ProrsaPolicy(AllocatorPolicy):
         """The window's shape folded into the running estimate, weighted by the turns it saw (class doc). A field
         the window did not measure adds nothing: a step's first window submits its prompts before any answer
         ends, and folding the default answer length in with the weight of every prompt made the first live
-        decisions price turns of 400 output tokens on a workload of 80-170."""
+        decisions price turns of 400 output tokens on a workload of 80-170. The answer is a mean over the answers
+        that ended, and weighs by them (the engines' count, where the view has it): weighed by the prompts sent, a
+        step's first window — every first prompt sent, the few shortest answers ended — held the estimate at half
+        the loop's answer for 40 s (deepseek-v3.2, 128 trajectories)."""
         decay = 0.5 ** (max(view.recent_window_s, 0.0) / self.shape_half_life_s)
-        w = float(view.recent_requests)
+        turns = float(view.recent_requests)
+        answers = float(view.recent_finished) if view.recent_finished > 0 else turns
+        weights = (turns, answers, turns, turns)
         values = (now_shape.new_tokens, now_shape.output_tokens, now_shape.context_tokens, now_shape.tool_s)
         sums = tuple(
             (a * decay + (w if m else 0.0), b * decay + (w * v if m else 0.0))
-            for (a, b), v, m in zip(self._shape_sums, values, measured, strict=True)
+            for (a, b), v, m, w in zip(self._shape_sums, values, measured, weights, strict=True)
         )
         self._shape_sums = sums
         new, out, ctx, tool = (b / a if a > 0 else v for (a, b), v in zip(sums, values, strict=True))
@@ -873,6 +909,7 @@ def _check_view(view: ClusterView) -> None:
         "recent_mean_new_tokens": view.recent_mean_new_tokens,
         "recent_away_prefills": view.recent_away_prefills,
         "recent_mean_away_new_tokens": view.recent_mean_away_new_tokens,
+        "recent_finished": view.recent_finished,
     }
     for name, v in figures.items():
         if not (math.isfinite(v) and v >= 0):
