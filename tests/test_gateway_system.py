@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +19,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers", reason="the chat template needs transformers")
+
+from tests.up_support import prorsa_up  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,40 +58,15 @@ class Up:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     secrets = tmp_path_factory.mktemp("up") / "secrets"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prorsa", "up", "--engines", "2", "--secrets-dir", str(secrets)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    nats_url = base = ""
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.match(r"nats: (\S+)", line):
-                nats_url = m.group(1)
-            if m := re.match(r"openai: (\S+)", line):
-                base = m.group(1)
-            if line.startswith("up:"):
-                break
-        assert nats_url and base and "services healthy" in lines[-1], "".join(lines)
-        assert f"gateway: ok at {base}\n" in lines, "".join(lines)  # `up` waited for it to answer
+    with prorsa_up(["--engines", "2", "--secrets-dir", str(secrets)], ready_s=120) as started:
+        nats_url, base = started.printed.get("nats", ""), started.printed.get("openai", "")
+        assert nats_url and base and "services healthy" in started.summary, started.output
+        assert f"gateway: ok at {base}\n" in started.lines, started.output  # `up` waited for it to answer
         env = (secrets / "trainer.env").read_text()
         key = re.search(r"export OPENAI_API_KEY=(\S+)", env)
         assert key and f"export PRORSA_API_KEY={key.group(1)}" in env and f"OPENAI_BASE_URL={base}" in env
         _wait_http(base.removesuffix("/v1") + "/health")
-        yield Up(nats_url, base, key.group(1), secrets, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.communicate(timeout=60)
+        yield Up(nats_url, base, key.group(1), secrets, started.proc)
 
 
 def _wait_http(url: str, timeout_s: float = 60.0) -> None:

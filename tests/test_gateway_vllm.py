@@ -6,12 +6,7 @@ disconnecting mid-stream aborting the turn on the vLLM engine."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,6 +20,7 @@ openai = pytest.importorskip("openai")
 
 from prorsa.cli import main  # noqa: E402
 from tests.test_gateway_system import Up, _engine_finished, _wait_http  # noqa: E402
+from tests.up_support import prorsa_up  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,51 +31,15 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     model = root / "tiny"
     assert main(["tiny-model", str(model)]) == 0
     secrets = root / "secrets"
-    cmd = [
-        sys.executable,
-        "-m",
-        "prorsa",
-        "up",
-        "--backend",
-        "vllm",
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-    ]
-    cmd += ["--engines", "1", "--secrets-dir", str(secrets), "--log-dir", str(root / "logs")]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        nats_url = base = ""
-        deadline = time.monotonic() + 700
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.match(r"nats: (\S+)", line):
-                nats_url = m.group(1)
-            if m := re.match(r"openai: (\S+)", line):
-                base = m.group(1)
-            if line.startswith("up:"):
-                break
-        assert base and "up: 4/4 services healthy" in lines[-1], "".join(lines)
+    args = ["--backend", "vllm", "--model", str(model), "--dtype", "float32"]
+    args += ["--engines", "1", "--secrets-dir", str(secrets), "--log-dir", str(root / "logs")]
+    with prorsa_up(args, ready_s=700, stop_s=120) as started:
+        base = started.printed.get("openai", "")
+        assert base and "up: 4/4 services healthy" in started.summary, started.output
         key = re.search(r"export OPENAI_API_KEY=(\S+)", (secrets / "trainer.env").read_text())
         assert key
         _wait_http(base.removesuffix("/v1") + "/health")
-        yield Up(nats_url, base, key.group(1), secrets, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.communicate(timeout=120)
+        yield Up(started.printed.get("nats", ""), base, key.group(1), secrets, started.proc)
 
 
 def test_chat_on_vllm_returns_what_the_engine_sampled(up: Up) -> None:

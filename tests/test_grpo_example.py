@@ -10,10 +10,8 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ pytest.importorskip(
 pytest.importorskip("transformers", reason="the example trains with transformers (it comes with vLLM)")
 
 from prorsa.cli import main  # noqa: E402
+from tests.up_support import prorsa_up  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,49 +45,10 @@ def test_grpo_example_trains_and_the_engines_serve_the_new_weights(tmp_path: Pat
     assert main(["tiny-model", str(model)]) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRORSA_NATS_")}
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", PRORSA_WEIGHTS_ROOT=str(weights))
-    cmd = [
-        sys.executable,
-        "-m",
-        "prorsa",
-        "up",
-        "--backend",
-        "vllm",
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-    ]
-    cmd += [
-        "--engines",
-        "1",
-        "--gateway-port",
-        "-1",
-        "--secrets-dir",
-        str(secrets),
-        "--log-dir",
-        str(tmp_path),
-    ]
-    up = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 700
-        assert up.stdout is not None
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("up:"):
-                break
-        assert lines and re.match(r"up: 4/4 services healthy", lines[-1]), "".join(lines)
+    args = ["--backend", "vllm", "--model", str(model), "--dtype", "float32", "--engines", "1"]
+    args += ["--gateway-port", "-1", "--secrets-dir", str(secrets), "--log-dir", str(tmp_path)]
+    with prorsa_up(args, ready_s=700, env=env, cwd=ROOT, stop_s=120) as up:
+        assert re.match(r"up: 4/4 services healthy", up.summary), up.output
 
         trainer = env | _env_file(secrets / "trainer.env")  # `source trainer.env`
         report_path = tmp_path / "report.json"
@@ -102,9 +62,6 @@ def test_grpo_example_trains_and_the_engines_serve_the_new_weights(tmp_path: Pat
             timeout=600,
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        up.communicate(timeout=120)
 
     report = json.loads(report_path.read_text())
     (step,) = report["steps"]

@@ -24,11 +24,8 @@ import asyncio
 import collections
 import json
 import os
-import re
 import shlex
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +37,7 @@ import proto
 from proto import ErrorReply, RequestFinished, Subjects, TrajectoryFinished, TrajectoryStarted, TurnSubmitted
 from services.runtime.bus import connect
 from services.runtime.credentials import BusCredentials
+from tests.up_support import prorsa_up
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,35 +91,12 @@ def cluster(trainers_python: str, tmp_path_factory: pytest.TempPathFactory) -> I
         PRORSA_TIME_SCALE=TIME_SCALE,
         PRORSA_WEIGHTS_ROOT=str(weights_root),
     )
-    cmd = [sys.executable, "-m", "prorsa", "up", "--engines", "2", "--gateway-port", "-1"]
-    cmd += ["--log-dir", str(base / "logs"), "--secrets-dir", str(base / "secrets")]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        url, lines = None, []
-        deadline = time.monotonic() + 120
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.match(r"nats: (\S+)", line):
-                url = m.group(1)
-            if line.startswith("up:"):
-                break
-        assert url and lines[-1].startswith("up: 5/5 services healthy"), "".join(lines)
+    args = ["--engines", "2", "--gateway-port", "-1"]
+    args += ["--log-dir", str(base / "logs"), "--secrets-dir", str(base / "secrets")]
+    with prorsa_up(args, ready_s=120, env=env, cwd=ROOT) as started:
+        url = started.printed.get("nats")
+        assert url and started.summary.startswith("up: 5/5 services healthy"), started.output
         yield Cluster(url, base / "secrets", weights_root)
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
-        proc.communicate(timeout=60)
 
 
 class BusLog:
