@@ -424,3 +424,26 @@ def test_a_move_the_coordinator_applied_in_part_is_priced_as_it_stands() -> None
     hybrid = ["prefill", "decode"] + ["mixed"] * 6
     plan = policy.decide(idle_view(hybrid, 70.0))
     assert plan is not None and "P1/D1/M6 -> P2/D6" in plan.reason
+
+
+def test_a_try_the_step_left_before_it_measured_the_split_is_not_made_again() -> None:
+    # Colocation runs 2.5x slower than modelled, so the record is never explained and the second step's end tries
+    # an unmeasured split (as above). The step it runs leaves that split after two windows (here by hand: the
+    # replay-only policy makes no move within a step) and so does not measure it; the split stays the replay's
+    # best, and without the step's verdict it would be tried before every step (qwen3-235b at 512: 3:5 after
+    # each of four steps, each step back on 4:4 within 90 s).
+    policy = replay_only_policy()
+    roles = ["mixed"] * 8
+    sync_step(policy, roles, 0, 0.0, PREFILL_HEAVY, mixed_slowdown=2.5)
+    first = sync_step(policy, roles, 1, 100.0, PREFILL_HEAVY, mixed_slowdown=2.5)
+    assert [k for k, _ in first] == ["idle"] and "unmeasured split" in first[0][1].reason
+    tried = Split(roles.count("prefill"), roles.count("decode"))
+    for k in range(12):
+        if k == 2:
+            roles[:] = ["mixed"] * 8  # the step's own decisions left the try
+        assert policy.decide(step_view(roles, 200.0 + 5.0 * k, 2, PREFILL_HEAVY, mixed_slowdown=2.5)) is None
+    assert policy.memory.tried(("general",), tried) and policy.memory.ratio(("general",), tried) is None
+    again = policy.decide(idle_view(roles, 260.0))
+    if again is not None:
+        apply(roles, again)
+    assert Split(roles.count("prefill"), roles.count("decode"), roles.count("mixed")) != tried

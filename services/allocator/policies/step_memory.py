@@ -24,9 +24,11 @@ that ran most of it, the ratio of the turn-seconds really lived — N integrated
 however noisy each window was — to those the model projected (`ratio`; `model_error` is the same over the whole
 step, whatever ran). The replay scales each candidate's cost by its own ratio where that split has run a step of
 this mix, else by the ratio of the nearest split of the same branch of the model that has (the model's bias moves
-with the split: neighbours share most of it; colocation and splits are different networks) — and a split never measured is tried only where the try measures what it was chosen for: the coming
-step's mix is known (`next_known`), or the model explained the record within the margin. A wrong first move thus
-costs one step: that step measures the split, and the next replay compares measured costs.
+with the split: neighbours share most of it; colocation and splits are different networks) — and a split never
+measured is tried only where the try measures what it was chosen for: the coming step's mix is known
+(`next_known`), or the model explained the record within the margin. A wrong first move thus costs one step: that
+step measures the split, and the next replay compares measured costs — or the step's own decisions leave it
+before it has run most of the step, which is the step's verdict on it, and it is not tried again (`tried`).
 
 Between synchronous steps the cluster idles while the trainer trains: nobody is live, the next step's mix is
 (most likely) the one that followed this mix last time (`expected_next`), and a move costs nothing at all, not even
@@ -85,6 +87,8 @@ class StepMemory:
     _split_sums: dict[Hashable, list[float]] = field(
         default_factory=dict
     )  # split → [turns, lived, projected]
+    # (mix, split): a split a replay sent a step of `mix` to before any step of the mix had measured it (`tried`)
+    trials: set[tuple[tuple[str, ...], Hashable]] = field(default_factory=set)
 
     def step_started(self, started_total: int, live_by_task: Mapping[str, int]) -> tuple[str, ...] | None:
         """The task mix of a step that starts now (once per step), else None. Closes the record of the last one.
@@ -157,6 +161,16 @@ class StepMemory:
     def measured(self, mix: tuple[str, ...]) -> dict[Hashable, float]:
         """Every split that ran a step of `mix`, with its ratio (`ratio`)."""
         return {split: r for (m, split), r in self.calibration.items() if m == mix}
+
+    def note_trial(self, mix: tuple[str, ...], split: Hashable) -> None:
+        """A replay sends the coming step of `mix` to `split`, which no step of the mix has measured."""
+        self.trials.add((mix, split))
+
+    def tried(self, mix: tuple[str, ...], split: Hashable) -> bool:
+        """Whether a step of `mix` was sent to `split` and did not measure it: the step's own decisions left it
+        before it ran most of the step (`_close` measures only the split that did), so the step's verdict on it
+        is that it lost — a try is not made twice."""
+        return (mix, split) in self.trials and (mix, split) not in self.calibration
 
     def last(self, mix: tuple[str, ...]) -> list[Segment] | None:
         """The record of the last finished step of `mix`, or None."""
