@@ -493,7 +493,7 @@ def test_a_steps_first_answers_are_the_tokens_generated_over_the_answers_that_en
     assert policy.last_shape is not None and policy.last_shape.output_tokens == pytest.approx(200.0)
     policy._turns_finished = policy._turns_seen = 1e6  # the sample stands
     policy.decide(view(["mixed"] * 8, 10.0, recent_finished=40, recent_mean_osl_tokens=180.0))
-    # the ended answers' 180 at 40 answers against the first window's 200 at 4 (decayed by a sixth of its weight)
+    # the ended answers' 180 at 40 answers against the first window's 200 at 4 (decayed over one 5 s window)
     w_first = 4 * 0.5 ** (5.0 / policy.shape_half_life_s)
     assert policy.last_shape.output_tokens == pytest.approx((w_first * 200 + 40 * 180) / (w_first + 40))
 

@@ -326,7 +326,7 @@ class ProrsaPolicy(AllocatorPolicy):
         # The score a move must beat. Before the sample stands the error measured so far is no model's: Little's
         # law over windows whose turns are the population's first prompts, sent at once and answered over the
         # next turn time, reads the burst (0.35-0.5 at 128 trajectories on deepseek-v3.2, where the model put
-        # colocation's turn at 14.6 s and it ran 13.9-15.2) — there the escape's two guesses stand in for it (`_escape`).
+        # colocation's turn at 14.6 s and it ran 13.9-15.2). There the escape's two guesses stand in for it.
         bar = current_j * (1.0 - self.margin - (error if sample_stands else 0.0))
         if best == current or not (scored[best] < bar):
             return None
