@@ -553,7 +553,7 @@ class ProrsaPolicy(AllocatorPolicy):
         # the step has given its verdict, and the record it leaves does not measure the split (StepMemory.tried).
         # Retried, it was every step's: qwen3-235b at 512, four steps, replayed 3:5 10-11 % ahead of 4:4 after each
         # (an error of 16 % on the record), each step left it for 4:4 within 90 s (473.8 s against 4:4's 459.3).
-        retry = best != current and best not in measured and self.memory.tried(mix, best)
+        retry = best != current and self.memory.tried(mix, best)
         if best not in measured and (
             retry or (not hold and not (idle and self.memory.next_known()) and not resolved)
         ):
@@ -726,11 +726,7 @@ class ProrsaPolicy(AllocatorPolicy):
         generated = view.decode_tokens_per_s * view.recent_window_s
         if view.recent_finished <= 0 or generated <= 0:
             return ended
-        population = (
-            float(outlook.live)
-            if outlook is not None
-            else float(sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len)
-        )
+        population = float(outlook.live) if outlook is not None else _held(view)
         return ended if self._sample_stands(population) else generated / view.recent_finished
 
     @staticmethod
@@ -772,8 +768,7 @@ class ProrsaPolicy(AllocatorPolicy):
         if outlook is not None:
             return float(outlook.live)
         rate = view.recent_requests / view.recent_window_s if view.recent_window_s > 0 else 0.0
-        held = sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len
-        return float(held) + rate * shape.tool_s
+        return _held(view) + rate * shape.tool_s
 
     def horizon_s(self, view: ClusterView, outlook: Outlook | None, n_live: float) -> float:
         """H: the time the live population takes to change by half, within [2 intervals, max_horizon_s]. The
@@ -928,6 +923,11 @@ def _check_view(view: ClusterView) -> None:
             v = getattr(e, name)
             if not (math.isfinite(v) and v >= 0):
                 raise PolicyError(f"engine {e.engine_id}: {name} is {v}")
+
+
+def _held(view: ClusterView) -> float:
+    """Trajectories the engines hold now: running or waiting on an engine, or waiting for a decode slot."""
+    return float(sum(e.running + e.waiting for e in view.engines) + view.decode_queue_len)
 
 
 def _search(
