@@ -44,6 +44,9 @@ class TinyEngine:
         self.nc, self.engine_id, self.role, self.answer = nc, engine_id, role, answer
         self.epoch = 0
         self.kv_used_tokens = 0
+        self.in_flight_tokens = (
+            0  # > 0: it holds work (a switch then counts against the coordinator's budget)
+        )
         self.stamp_offset_s = 0.0  # < 0: publish stats stamped in the past (a replay / a lagging clock)
         self.publishing = True
         self.profile = ""  # the performance profile it reports
@@ -83,6 +86,7 @@ class TinyEngine:
                     epoch=self.epoch,
                     kv_used_tokens=self.kv_used_tokens,
                     kv_capacity_tokens=KV_CAPACITY,
+                    in_flight_tokens=self.in_flight_tokens,
                     profile=self.profile,
                 )
                 await self.nc.publish(SUBJECTS.engine_stats(self.engine_id), proto.encode(stats))
@@ -176,6 +180,26 @@ async def test_initial_roles_then_a_decision_with_increasing_epochs_and_one_comm
         await until(lambda: watcher.plans and sorted(watcher.plans[-1].roles.values()).count("decode") == 3)
         last = watcher.plans[-1]
         assert last.policy == "reactive" and last.epoch == 5 and set(last.roles) == set(engines)
+    finally:
+        await stop_all(svc, engines)
+
+
+async def test_a_staged_move_goes_on_as_acks_arrive_not_a_decision_later(bus) -> None:
+    """Eight busy engines, a quarter switching at a time: each ack sends the next command
+    (`SwitchCoordinator.follow_up`), so the whole move lands within the first decision's interval."""
+    url, nc, _ = bus
+    engines = await fleet(nc, {f"e{i}": "mixed" for i in range(8)})
+    for e in engines.values():
+        e.in_flight_tokens = 1_000
+    svc = allocator(url, policy="static:5:3", interval_s=2.0)
+    await svc.start()
+    try:
+        await until(lambda: any(e.commands for e in engines.values()), timeout_s=5.0)
+        await until(lambda: sorted(e.role for e in engines.values()).count("prefill") == 5, timeout_s=1.5)
+        assert sorted(e.role for e in engines.values()).count("decode") == 3
+        assert svc.counters["decisions"] == 1  # the move went on between decisions
+        epochs = sorted(c.epoch for e in engines.values() for c in e.commands)
+        assert epochs == list(range(1, 9))  # each engine commanded once
     finally:
         await stop_all(svc, engines)
 

@@ -136,3 +136,34 @@ def test_properties(initial: list[str], plans: list) -> None:
             if e not in {x.engine_id for x in cmds}:
                 c.observe_stats(stats(e, c.stats[e].role, now, epoch=c.stats[e].epoch), now)
         assert c.epoch >= last_epoch
+
+
+def test_a_staged_move_goes_on_as_its_switches_land() -> None:
+    """`follow_up`: an ack frees the budget, and the rest of the last target goes out then, not a plan later; an
+    acknowledged switch counts as applied until the stats show it (never commanded again)."""
+    c = SwitchCoordinator(max_concurrent_fraction=0.25)  # 8 busy engines: two at a time
+    for i in range(8):
+        c.observe_stats(stats(f"e{i}", "mixed", ts=0.0, work=100 + i), now=0.0)
+    target = {f"e{i}": "prefill" if i < 5 else "decode" for i in range(8)}
+    first = c.commands_for(target, now=1.0, reason="move")
+    assert [x.engine_id for x in first] == ["e0", "e1"]
+    assert c.follow_up(now=2.0) == []  # nothing has landed: the budget is spent
+    c.observe_ack(RoleSwitchAck(engine_id="e0", epoch=first[0].epoch, role="prefill", ok=True), now=3.0)
+    nxt = c.follow_up(now=3.0)
+    assert [(x.engine_id, x.role, x.reason) for x in nxt] == [("e2", "prefill", "move")]
+    assert c.current_roles(3.0)["e0"] == "prefill"  # acked, its stats (still "mixed") not yet caught up
+    c.observe_ack(RoleSwitchAck(engine_id="e1", epoch=first[1].epoch, role="prefill", ok=True), now=3.5)
+    assert [x.engine_id for x in c.follow_up(now=3.5)] == ["e3"]  # e0 is not commanded again
+    c.observe_stats(stats("e0", "prefill", ts=4.0, epoch=first[0].epoch, work=100), now=4.0)
+    assert "e0" not in c.applied  # the stats caught up
+
+
+def test_follow_up_leaves_a_refused_switch_to_the_next_decision() -> None:
+    c = SwitchCoordinator(max_concurrent_fraction=0.25)
+    for i in range(4):
+        c.observe_stats(stats(f"e{i}", "mixed", ts=0.0, work=100 + i), now=0.0)
+    (cmd,) = c.commands_for({"e0": "prefill", "e1": "decode"}, now=1.0)
+    c.observe_ack(RoleSwitchAck(engine_id="e0", epoch=cmd.epoch, role="mixed", ok=False), now=2.0)
+    assert c.applied == {} and c.refused == 1
+    # the refusal leaves the next decision to ask again: a follow-up goes on with the rest only
+    assert [x.engine_id for x in c.follow_up(now=2.0)] == ["e1"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 from mypy_extensions import mypyc_attr
 
 from prorsa.sim import events as ev
-from prorsa.sim.engine import SimEngine
+from prorsa.sim.engine import ACTIVE, SimEngine
 from prorsa.sim.metrics import Metrics
 from prorsa.sim.router import Router
 from prorsa.sim.sim_driver import Driver, StepSource
@@ -184,6 +184,8 @@ class Simulation:
             a.on_handoff_arrive(b, t)
         elif kind == ev.RECONFIG_DONE:
             a.on_reconfig_done(b, t)
+            if a.state == ACTIVE:
+                self._follow_up(t)
         elif kind == ev.POLICY_TICK:
             self._policy_tick(t)
         elif kind == ev.TRAINING_DONE:
@@ -286,10 +288,22 @@ class Simulation:
                 self.apply_plan(plan.roles, view, now)
         self.queue.push(now + self.policy.interval_s, ev.POLICY_TICK)
 
+    def _follow_up(self, now: float) -> None:
+        """A switch landed: the coordinator sends what its budget now allows of the last plan's target, as the live
+        allocator does on each ack (`SwitchCoordinator.follow_up`)."""
+        coord = self.coord
+        if not coord.goal:
+            return
+        for engine in self.engines.values():
+            coord.observe_stats(engine.stats(now), now)
+        for cmd in coord.follow_up(now):
+            self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch, cmd.drain_timeout_s)
+
     def apply_plan(self, roles: Mapping[str, str], view: ClusterView, now: float) -> None:
         """Move engines toward `roles` as the live allocator does: through its `SwitchCoordinator` (one command in
         flight per engine, at most a quarter of the fleet switching at once, never a role emptied while it has
-        demand), fed with the stats every engine would publish now."""
+        demand), fed with the stats every engine would publish now; the rest follows as switches land
+        (`_follow_up`)."""
         coord = self.coord
         for engine in self.engines.values():
             coord.observe_stats(engine.stats(now), now)

@@ -16,6 +16,9 @@ Every `interval_s` (scaled seconds, on `self.clock`) it
    missing ack is never blindly retried;
 6. publishes an `AllocationPlan` (every fresh engine's role as the allocator intends it) on `allocator.plan`.
 
+Between decisions, each acknowledged switch lets the coordinator send what its budget then allows of the last
+target (`SwitchCoordinator.follow_up`): a move staged a quarter of the fleet at a time goes on as its switches land.
+
 An acknowledged switch counts as applied until the engine's stats show its epoch, so the next decision does not
 undo or repeat it. Bad input on any consumed subject is rejected by the `Service` base (logged, counted, answered);
 stats whose subject and engine id disagree are rejected too.
@@ -112,7 +115,6 @@ class AllocatorService(Service):
         self.recent = RecentLoad()
         self.forecast: DemandForecast | None = None
         self._forecast_rx_s = 0.0
-        self.applied: dict[str, tuple[int, str]] = {}  # engine → (epoch, role) acked, not yet in its stats
         self._initial: dict[str, str] | None = None
         self._initial_until_s = 0.0
         self._initial_done = False
@@ -183,9 +185,6 @@ class AllocatorService(Service):
             self.counters["stale_stats"] += 1  # a late or replayed report: never act on it
             return
         self.coord.observe_stats(msg, now)
-        acked = self.applied.get(msg.engine_id)
-        if acked is not None and msg.epoch >= acked[0] and not msg.switching:
-            del self.applied[msg.engine_id]  # the stats have caught up with the acknowledged switch
 
     async def _on_ack(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, RoleSwitchAck)
@@ -197,10 +196,14 @@ class AllocatorService(Service):
             self.counters["bad_acks"] += 1
             self.log.warning("bad_ack", engine=ack.engine_id, epoch=ack.epoch, error="epoch never issued")
             return False
+        now = self.clock.now_s()
         out = self.coord.outstanding.get(ack.engine_id)
-        if out is not None and ack.ok and ack.epoch >= out.epoch:
-            self.applied[ack.engine_id] = (ack.epoch, ack.role)
-        self.coord.observe_ack(ack, self.clock.now_s())
+        landed = out is not None and ack.epoch >= out.epoch
+        self.coord.observe_ack(ack, now)
+        if (
+            landed and ack.ok
+        ):  # a staged move goes on now, not at the next decision (SwitchCoordinator.follow_up)
+            self._issue(self.coord.follow_up(now), self.coord.goal_reason)
         return True
 
     async def _on_forecast(self, msg: Message, raw: Msg) -> None:
@@ -274,14 +277,14 @@ class AllocatorService(Service):
             now,
             fresh,
             {e: o.role for e, o in self.coord.outstanding.items()},
-            {e: role for e, (_, role) in self.applied.items()},
+            {e: role for e, (_, role) in self.coord.applied.items()},
             await self._queue_depth(),
             self.recent.take(now),
             forecast=self._fresh_forecast(now),
         )
         self.last_view = view
         target, reason, startup = self._target(view, now)
-        target = {e: r for e, r in target.items() if self.applied.get(e, (0, ""))[1] != r}
+        target = {e: r for e, r in target.items() if self.coord.applied.get(e, (0, ""))[1] != r}
         prefill_demand, decode_demand = role_demand(view)
         fraction = self.coord.max_concurrent_fraction
         if startup:  # idle engines only: nothing to drain, so they may all switch at once
@@ -290,13 +293,17 @@ class AllocatorService(Service):
             commands = self.coord.commands_for(target, now, prefill_demand, decode_demand, reason)
         finally:
             self.coord.max_concurrent_fraction = fraction
+        self._issue(commands, reason)
+        await self._publish_plan(view, target, reason, now)
+        return commands
+
+    def _issue(self, commands: list[RoleSwitchCommand], reason: str) -> None:
+        """Send the coordinator's commands, each as its own request (`_send`), counted and logged."""
         self.domain_metrics.on_switches(len(commands))
         for cmd in commands:
             self.counters["switches_issued"] += 1
             self.log.info("switch", engine=cmd.engine_id, role=cmd.role, epoch=cmd.epoch, reason=reason)
             self.spawn(self._send(cmd), name=f"cmd-{cmd.engine_id}")
-        await self._publish_plan(view, target, reason, now)
-        return commands
 
     def _target(self, view: ClusterView, now: float) -> tuple[dict[str, str], str, bool]:
         """(target roles, reason, start-up phase?) for this decision."""

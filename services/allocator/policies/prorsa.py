@@ -312,7 +312,7 @@ class ProrsaPolicy(AllocatorPolicy):
         sample_stands = self._sample_stands(n_live)
         target = self._moving_to
         if target is not None and target.total == len(view.engines) and current != target:
-            # A move, once chosen, is carried through: the coordinator moves a quarter of the fleet per plan, and
+            # A move, once chosen, is carried through: the coordinator switches a quarter of the fleet at a time, and
             # the hybrids on the way are neither the split it left nor the one it goes to — the model prices them
             # as colocation over their mixed engines, the dedicated ones idle. Re-decided from each hybrid, moves
             # flapped: 9:7 -> colocation on 16 engines of qwen3-235b at 1,024 trajectories turned back at 9:3:4
