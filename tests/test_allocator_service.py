@@ -29,6 +29,7 @@ from proto import (
 from services.allocator.observed import QueueDepth, RecentLoad, RecentWindow, build_view
 from services.allocator.policies.prorsa import ProrsaPolicy
 from services.allocator.policies.turn_model import TurnShape
+from services.allocator.policy import AllocatorPolicy, ClusterView, Plan
 from services.allocator.service import AllocatorService
 from services.runtime.nats_server import EmbeddedNatsServer
 from tests.outlook_support import outlook_forecast
@@ -51,6 +52,7 @@ class TinyEngine:
         self.publishing = True
         self.profile = ""  # the performance profile it reports
         self.commands: list[RoleSwitchCommand] = []
+        self.switch_s = 0.0  # how long a switch takes before the ack (the engine acks once it is done)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -68,6 +70,7 @@ class TinyEngine:
         self.commands.append(cmd)
         if not self.answer:
             return
+        await asyncio.sleep(self.switch_s)
         if cmd.epoch > self.epoch:  # an older or repeated epoch is answered, never applied again
             self.role, self.epoch = cmd.role, cmd.epoch
         ack = RoleSwitchAck(
@@ -200,6 +203,40 @@ async def test_a_staged_move_goes_on_as_acks_arrive_not_a_decision_later(bus) ->
         assert svc.counters["decisions"] == 1  # the move went on between decisions
         epochs = sorted(c.epoch for e in engines.values() for c in e.commands)
         assert epochs == list(range(1, 9))  # each engine commanded once
+    finally:
+        await stop_all(svc, engines)
+
+
+class MoveOnce(AllocatorPolicy):
+    """Decides one move (to 5:3) at its first decision and keeps from then on."""
+
+    def initial_plan(self, engine_ids):
+        return Plan(roles=dict.fromkeys(engine_ids, "mixed"), reason="mixed")
+
+    def plan(self, view: ClusterView) -> Plan | None:
+        if getattr(self, "moved", False):
+            return None
+        self.moved = True
+        ids = sorted(e.engine_id for e in view.engines)
+        return Plan(
+            roles={e: "prefill" if i < 5 else "decode" for i, e in enumerate(ids)}, reason="move once"
+        )
+
+
+async def test_a_kept_plan_leaves_a_staged_move_going(bus) -> None:
+    """Decisions that keep (the policy returns None) while a staged move is under way do not cancel it: the acks
+    carry it through, as in the simulator, which applies no plan on a keep."""
+    url, nc, _ = bus
+    engines = await fleet(nc, {f"e{i}": "mixed" for i in range(8)})
+    for e in engines.values():
+        e.in_flight_tokens, e.switch_s = 1_000, 0.3
+    svc = allocator(url, interval_s=0.2)
+    svc.policy = MoveOnce(name="move-once", interval_s=0.2)
+    await svc.start()
+    try:
+        await until(lambda: sorted(e.role for e in engines.values()) == ["decode"] * 3 + ["prefill"] * 5)
+        assert svc.counters["decisions"] > 3  # several keeps went by during the move
+        assert all(len(e.commands) == 1 for e in engines.values())
     finally:
         await stop_all(svc, engines)
 

@@ -200,9 +200,8 @@ class AllocatorService(Service):
         out = self.coord.outstanding.get(ack.engine_id)
         landed = out is not None and ack.epoch >= out.epoch
         self.coord.observe_ack(ack, now)
-        if (
-            landed and ack.ok
-        ):  # a staged move goes on now, not at the next decision (SwitchCoordinator.follow_up)
+        if landed and ack.ok:
+            # a staged move goes on now, not at the next decision (SwitchCoordinator.follow_up)
             self._issue(self.coord.follow_up(now), self.coord.goal_reason)
         return True
 
@@ -283,14 +282,20 @@ class AllocatorService(Service):
             forecast=self._fresh_forecast(now),
         )
         self.last_view = view
-        target, reason, startup = self._target(view, now)
-        target = {e: r for e, r in target.items() if self.coord.applied.get(e, (0, ""))[1] != r}
+        planned, reason, startup = self._target(view, now)
+        target = {e: r for e, r in (planned or {}).items() if self.coord.applied.get(e, (0, ""))[1] != r}
         prefill_demand, decode_demand = role_demand(view)
         fraction = self.coord.max_concurrent_fraction
         if startup:  # idle engines only: nothing to drain, so they may all switch at once
             self.coord.max_concurrent_fraction = 1.0
         try:
-            commands = self.coord.commands_for(target, now, prefill_demand, decode_demand, reason)
+            # A kept plan sends nothing and leaves the coordinator's last target, and a move under way, standing
+            # (the simulator applies no plan then either).
+            commands = (
+                []
+                if planned is None
+                else self.coord.commands_for(target, now, prefill_demand, decode_demand, reason)
+            )
         finally:
             self.coord.max_concurrent_fraction = fraction
         self._issue(commands, reason)
@@ -305,8 +310,8 @@ class AllocatorService(Service):
             self.log.info("switch", engine=cmd.engine_id, role=cmd.role, epoch=cmd.epoch, reason=reason)
             self.spawn(self._send(cmd), name=f"cmd-{cmd.engine_id}")
 
-    def _target(self, view: ClusterView, now: float) -> tuple[dict[str, str], str, bool]:
-        """(target roles, reason, start-up phase?) for this decision."""
+    def _target(self, view: ClusterView, now: float) -> tuple[dict[str, str] | None, str, bool]:
+        """(target roles, None if the policy keeps its plan; reason; start-up phase?) for this decision."""
         assert self.policy is not None
         if not self._initial_done:
             todo = self._startup_todo(view, now)
@@ -324,7 +329,7 @@ class AllocatorService(Service):
         self.counters["decisions"] += 1
         self.domain_metrics.on_decision(self.last_decision_ms / 1e3)
         if plan is None:
-            return {}, f"{self.policy.name}: keep", False
+            return None, f"{self.policy.name}: keep", False
         return dict(plan.roles), plan.reason, False
 
     def _startup_todo(self, view: ClusterView, now: float) -> dict[str, str]:
