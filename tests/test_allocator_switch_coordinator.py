@@ -148,7 +148,9 @@ def test_a_staged_move_goes_on_as_its_switches_land() -> None:
     first = c.commands_for(target, now=1.0, reason="move")
     assert [x.engine_id for x in first] == ["e0", "e1"]
     assert c.follow_up(now=2.0) == []  # nothing has landed: the budget is spent
-    c.observe_ack(RoleSwitchAck(engine_id="e0", epoch=first[0].epoch, role="prefill", ok=True), now=3.0)
+    ack = RoleSwitchAck(engine_id="e0", epoch=first[0].epoch, role="prefill", ok=True)
+    assert c.observe_ack(ack, now=3.0)  # it landed
+    assert not c.observe_ack(ack, now=3.0)  # the same ack again (the reply and the ack subject): nothing more
     nxt = c.follow_up(now=3.0)
     assert [(x.engine_id, x.role, x.reason) for x in nxt] == [("e2", "prefill", "move")]
     assert c.current_roles(3.0)["e0"] == "prefill"  # acked, its stats (still "mixed") not yet caught up
@@ -163,7 +165,7 @@ def test_follow_up_leaves_a_refused_switch_to_the_next_decision() -> None:
     for i in range(4):
         c.observe_stats(stats(f"e{i}", "mixed", ts=0.0, work=100 + i), now=0.0)
     (cmd,) = c.commands_for({"e0": "prefill", "e1": "decode"}, now=1.0)
-    c.observe_ack(RoleSwitchAck(engine_id="e0", epoch=cmd.epoch, role="mixed", ok=False), now=2.0)
+    assert not c.observe_ack(RoleSwitchAck(engine_id="e0", epoch=cmd.epoch, role="mixed", ok=False), now=2.0)
     assert c.applied == {} and c.refused == 1
     # the refusal leaves the next decision to ask again: a follow-up goes on with the rest only
     assert [x.engine_id for x in c.follow_up(now=2.0)] == ["e1"]

@@ -22,6 +22,7 @@ from prorsa.sim.router import Router
 from prorsa.sim.sim_driver import Driver, StepSource
 from prorsa.sim.state import Request, Traj
 from prorsa.sim.views import DemandFeed, ViewBuilder
+from proto import RoleSwitchCommand
 from services.allocator.policies.common import role_demand
 from services.allocator.policy import AllocatorPolicy, ClusterView, FixedRolesPolicy
 from services.allocator.switch_coordinator import SwitchCoordinator
@@ -291,25 +292,28 @@ class Simulation:
     def _follow_up(self, now: float) -> None:
         """A switch landed: the coordinator sends what its budget now allows of the last plan's target, as the live
         allocator does on each ack (`SwitchCoordinator.follow_up`)."""
-        coord = self.coord
-        if not coord.goal:
+        if not self.coord.goal:
             return
-        for engine in self.engines.values():
-            coord.observe_stats(engine.stats(now), now)
-        for cmd in coord.follow_up(now):
-            self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch, cmd.drain_timeout_s)
+        self._observe_engines(now)
+        self._send(self.coord.follow_up(now), now)
 
     def apply_plan(self, roles: Mapping[str, str], view: ClusterView, now: float) -> None:
         """Move engines toward `roles` as the live allocator does: through its `SwitchCoordinator` (one command in
         flight per engine, at most a quarter of the fleet switching at once, never a role emptied while it has
         demand), fed with the stats every engine would publish now; the rest follows as switches land
         (`_follow_up`)."""
-        coord = self.coord
-        for engine in self.engines.values():
-            coord.observe_stats(engine.stats(now), now)
+        self._observe_engines(now)
         target = {
             e: r for e, r in roles.items() if (self.engines[e].target_role or self.engines[e].role) != r
         }
         prefill_demand, decode_demand = role_demand(view)
-        for cmd in coord.commands_for(target, now, prefill_demand, decode_demand):
+        self._send(self.coord.commands_for(target, now, prefill_demand, decode_demand), now)
+
+    def _observe_engines(self, now: float) -> None:
+        """The coordinator sees the stats every engine would publish now."""
+        for engine in self.engines.values():
+            self.coord.observe_stats(engine.stats(now), now)
+
+    def _send(self, commands: list[RoleSwitchCommand], now: float) -> None:
+        for cmd in commands:
             self.engines[cmd.engine_id].request_switch(cmd.role, now, cmd.epoch, cmd.drain_timeout_s)

@@ -197,10 +197,7 @@ class AllocatorService(Service):
             self.log.warning("bad_ack", engine=ack.engine_id, epoch=ack.epoch, error="epoch never issued")
             return False
         now = self.clock.now_s()
-        out = self.coord.outstanding.get(ack.engine_id)
-        landed = out is not None and ack.epoch >= out.epoch
-        self.coord.observe_ack(ack, now)
-        if landed and ack.ok:
+        if self.coord.observe_ack(ack, now):
             # a staged move goes on now, not at the next decision (SwitchCoordinator.follow_up)
             self._issue(self.coord.follow_up(now), self.coord.goal_reason)
         return True
@@ -283,7 +280,8 @@ class AllocatorService(Service):
         )
         self.last_view = view
         planned, reason, startup = self._target(view, now)
-        target = {e: r for e, r in (planned or {}).items() if self.coord.applied.get(e, (0, ""))[1] != r}
+        # (An acknowledged switch the stats do not show yet is the coordinator's to skip: `current_roles`.)
+        target = planned or {}
         prefill_demand, decode_demand = role_demand(view)
         fraction = self.coord.max_concurrent_fraction
         if startup:  # idle engines only: nothing to drain, so they may all switch at once

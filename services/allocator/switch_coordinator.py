@@ -63,9 +63,8 @@ class SwitchCoordinator:
     stats: dict[str, EngineStats] = field(default_factory=dict)
     seen_at_s: dict[str, float] = field(default_factory=dict)
     outstanding: dict[str, _Outstanding] = field(default_factory=dict)
-    applied: dict[str, tuple[int, str]] = field(
-        default_factory=dict
-    )  # engine → (epoch, role) acked, not in stats
+    # engine → (epoch, role): a switch acknowledged that the engine's stats do not show yet (rule 2)
+    applied: dict[str, tuple[int, str]] = field(default_factory=dict)
     timeouts: int = 0
     refused: int = 0
     # The last target and its demand flags, so that a move staged by rule 5 goes on as its switches land
@@ -89,16 +88,21 @@ class SwitchCoordinator:
         if acked is not None and s.epoch >= acked[0] and not s.switching:
             del self.applied[s.engine_id]  # the stats have caught up with the acknowledged switch
 
-    def observe_ack(self, ack: RoleSwitchAck, now: float) -> None:
+    def observe_ack(self, ack: RoleSwitchAck, now: float) -> bool:
+        """Fold an ack in. True when it lands an outstanding command's switch (then `follow_up` may go on)."""
         self.epoch = max(self.epoch, ack.epoch)
         out = self.outstanding.get(ack.engine_id)
-        if out is not None and ack.epoch >= out.epoch:
-            del self.outstanding[ack.engine_id]
-            if ack.ok:
-                self.applied[ack.engine_id] = (ack.epoch, ack.role)
-            else:  # the next decision asks again, if it still wants this; a follow-up would hammer a refusal
-                self.refused += 1
-                self.goal.pop(ack.engine_id, None)
+        if out is None or ack.epoch < out.epoch:
+            return False  # a repeat (the reply and the ack subject both carry it) or an older command's
+        del self.outstanding[ack.engine_id]
+        if (
+            not ack.ok
+        ):  # the next decision asks again, if it still wants this; a follow-up would hammer a refusal
+            self.refused += 1
+            self.goal.pop(ack.engine_id, None)
+            return False
+        self.applied[ack.engine_id] = (ack.epoch, ack.role)
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Forget commands whose ack is overdue; returns the engines concerned (for logs and metrics)."""
