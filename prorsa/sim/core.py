@@ -235,8 +235,11 @@ class Simulation:
                 of=req.output_tokens,
             )
 
-    def migrate(self, req: Request, engine: SimEngine, decoded: int, now: float) -> None:
-        """A decode left a switching engine after `decoded` tokens: prefill its context again elsewhere."""
+    def migrate(
+        self, req: Request, engine: SimEngine, decoded: int, now: float, home: SimEngine | None = None
+    ) -> None:
+        """A decode left a switching engine after `decoded` tokens: prefill its context again — addressed to `home`
+        (an engine that holds it in its prefix cache), else routed as any turn is."""
         self.metrics.migrations += 1
         if req.cancelled:
             self.metrics.wasted_decoded_tokens += decoded
@@ -260,7 +263,10 @@ class Simulation:
                 engine_id=engine.engine_id,
                 decoded_tokens=decoded,
             )
-        self.router.route_prefill(moved, now)
+        if home is not None:
+            self.router.address(home, moved, now)
+        else:
+            self.router.route_prefill(moved, now)
 
     def emit(self, kind: str, traj: Traj, now: float, **fields: Any) -> None:
         if self.observer is not None:

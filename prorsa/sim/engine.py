@@ -50,7 +50,7 @@ class SimEngine(EngineCore):
     __slots__ = tuple(  # one expression: mypy cannot type a tuple grown by `+=` (`prorsa.native_build`)
         "engine_id sim router metrics target_role _push _heap _due _more driver epoch"  # noqa: SIM905
         " pending_epoch drain_bound_s pull_estimates decode_due_s decode_check_pending output_estimate"
-        " restart_roles switch_token drain_decided drain_expired".split()
+        " restart_roles switch_token drain_decided drain_expired hand_on_due".split()
     )
 
     def __init__(self, engine_id: str, profile: ModelProfile, role: str, sim: Simulation) -> None:
@@ -81,6 +81,7 @@ class SimEngine(EngineCore):
         # Roles whose layout differs from this engine's: a switch to one restarts it (`switch_rule`).
         self.restart_roles: tuple[str, ...] = sim.config.restart_roles
         self.switch_token = 0  # names the switch in progress: a completion event of an older one is stale
+        self.hand_on_due = False  # switching in place to prefill: its decodes go at the next step boundary
         self.drain_decided = False  # a restart's drain chose the decodes that stay (once, as the live agent)
         self.drain_expired = False  # its drain bound has passed: whatever still runs is handed on
 
@@ -176,6 +177,9 @@ class SimEngine(EngineCore):
 
     def _pull_prompts(self, now: float) -> None:
         self.router.pull_prompts(self, now)
+
+    def _switching(self, now: float) -> None:
+        switching.hand_on_decodes(self, now)
 
     def _drain(self, now: float) -> None:
         switching.migrate_long_decodes(self, now)

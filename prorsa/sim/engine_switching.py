@@ -4,9 +4,12 @@
 (the run's `SimConfig.restart_roles` names those that differ; by default none do, as with kv_both engines):
 
 * In place: the engine leaves the router's pools and pulls nothing (state SWITCHING) for `role_switch_s`, while
-  everything it holds — queued and started prompts, decodes, handoffs whose KV is on its way — runs on as the
-  engine core steps it (a prefill engine's prompts still hand their KV on, a decode engine's sequences still finish
-  here). Then it serves the new role and pulls its work; its prefix cache stays. Nothing drains or migrates.
+  what it holds — queued and started prompts, decodes, handoffs whose KV is on its way — runs on as the engine core
+  steps it (a prefill engine's prompts still hand their KV on). Then it serves the new role and pulls its work; its
+  prefix cache stays. An engine switching to prefill (`switch_rule.hands_on_decodes`) hands on, at its next step
+  boundary (`hand_on_decodes`), the answers it decodes that `plan_drain` does not expect to end within the drain
+  bound: each leaves the batch with its KV kept in the prefix cache and is addressed back to this engine, which
+  prefills it from that cache once it serves as prefill and hands it to a decode engine.
 * Restart: the engine leaves the pools (queued, unstarted prompts are re-routed), finishes prefills in progress
   (`job_fate`: a prefill finishes) and, at its first step boundary, keeps a decode if `plan_drain` expects it to
   end within `drain_bound_s`, from the engine's `OutputEstimate` — never from the turn's true length, which no
@@ -28,14 +31,21 @@ from typing import TYPE_CHECKING, cast
 
 from prorsa.sim import events as ev
 from services.engine_agent.engine_core import ACTIVE, DRAINING, RECONFIG, SWITCHING
-from services.engine_agent.switch_rule import DrainItem, plan_drain, switch_kind
+from services.engine_agent.switch_rule import DrainItem, hands_on_decodes, plan_drain, switch_kind
 from services.runtime import perf_model as pm
 
 if TYPE_CHECKING:
     from prorsa.sim.engine import SimEngine
     from prorsa.sim.state import Request
 
-__all__ = ["drain_plan", "migrate_long_decodes", "on_reconfig_done", "request_switch", "start_reconfig"]
+__all__ = [
+    "drain_plan",
+    "hand_on_decodes",
+    "migrate_long_decodes",
+    "on_reconfig_done",
+    "request_switch",
+    "start_reconfig",
+]
 
 
 def request_switch(
@@ -62,6 +72,9 @@ def request_switch(
             engine.metrics.role_change(now, engine.role, "switching", engine.engine_id)
             engine.switch_token += 1
             engine._push(now + pm.role_switch_time_s(engine.p), ev.RECONFIG_DONE, engine, engine.switch_token)
+        if hands_on_decodes(role) and engine.seqs:
+            engine.hand_on_due = True
+            engine._poke(now)  # at the next step boundary (now, if idle)
         return
     if state == SWITCHING:  # an in-place pause becomes a drain: its completion is void
         engine.switch_token += 1
@@ -111,6 +124,22 @@ def drain_plan(engine: SimEngine, now: float) -> list[Request]:
         items.append(DrainItem(str(req.rid), resumed + engine.decoded_so_far(req), 0, step_s))
     _, leaving = plan_drain(items, engine.output_estimate, engine.drain_bound_s)
     return [by_rid[int(rid)] for rid in leaving]
+
+
+def hand_on_decodes(engine: SimEngine, now: float) -> None:
+    """At the first step boundary of an engine switching in place to prefill: each answer it decodes that
+    `drain_plan` would not keep leaves with its KV cached here and is addressed back to this engine, to be
+    prefilled from that cache once it serves as prefill (`switch_rule.hands_on_decodes`; the live agent's
+    `switch_drain.hand_on_in_place`)."""
+    if not engine.hand_on_due:
+        return
+    engine.hand_on_due = False
+    if engine.target_role != "prefill" or not engine.seqs:
+        return  # retargeted meanwhile: nothing to hand on
+    for req in drain_plan(engine, now):
+        decoded = engine.release_decode(req, now)
+        engine.sim.migrate(req, engine, decoded, now, home=engine)
+    engine._forget_finishes()
 
 
 def migrate_long_decodes(engine: SimEngine, now: float) -> None:

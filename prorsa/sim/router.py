@@ -140,7 +140,7 @@ class Router:
         own = engine.own_prompts
         if own:
             engine.own_prompts = ()
-            for req in cast("deque[Request]", own):  # a deque while not empty (`_address`)
+            for req in cast("deque[Request]", own):  # a deque while not empty (`address`)
                 self._post(req, now)
 
     # -- prompts --------------------------------------------------------------------------------------------------
@@ -157,12 +157,13 @@ class Router:
             worth = worth_prompts(req.context_tokens, new)
             if self.directory.accepts_state(engine.role, engine.state != ACTIVE, waiting, worth):
                 self.affinity_hits += 1
-                self._address(engine, req, now)
+                self.address(engine, req, now)
                 return
             self.affinity_misses += 1
         self._post(req, now)
 
-    def _address(self, engine: SimEngine, req: Request, now: float) -> None:
+    def address(self, engine: SimEngine, req: Request, now: float) -> None:
+        """Publish a prompt to `engine`'s own queue (delivered at once if it serves and has room)."""
         own = engine.own_prompts
         if not own and engine.state == ACTIVE and self._room(engine, "prefill"):
             self._take_prompt(engine, req, now)  # its own queue's fetch waits: delivered at once

@@ -24,9 +24,10 @@ What a sequence does is its own, not the role's: a prompt prefilled for a decode
 a prefill-role engine takes) hands its KV on; any other decodes here. The role decides what the engine pulls and
 how it schedules; what it steps is what it holds. An engine that switched role in place still holds work of its old
 role (`switch_rule.py`) and is mixed in effect until that is done: a prefill engine's steps (its prefill budget,
-as it schedules) carry the decodes it still holds along, one token each per step (`_plan_prefill_step`); a decode
-engine prefills the prompts it still holds the same way, its decodes riding along; a mixed engine keeps its
-chunked mixed steps.
+as it schedules) carry the decodes it still holds along, one token each per step (`_plan_prefill_step`) — which is
+why a switch to prefill hands on those not near their end (`release_decode`, the driver's); a decode engine
+prefills the prompts it still holds the same way, its decodes riding along; a mixed engine keeps its chunked
+mixed steps.
 
 KV: a running request reserves context + output tokens on admission (no preemption); a prompt that decodes here is
 admitted only with a batch slot and KV room (FCFS), but an empty engine always admits (a request larger than the KV
@@ -258,6 +259,9 @@ class EngineCore:
     def _drain(self, now: float) -> None:
         """At a step boundary while DRAINING, before planning (the driver migrates long decodes)."""
 
+    def _switching(self, now: float) -> None:
+        """At a step boundary while switching in place (handing on what the switch rule says)."""
+
     def _on_drained(self, now: float) -> None:
         """DRAINING, and nothing is left (`drained()`): the driver reconfigures the engine."""
 
@@ -447,7 +451,7 @@ class EngineCore:
         """Between steps: admit arrivals, drain or pull handoffs, plan the next activity."""
         if self._drop_pending:
             self._drop_pending = False
-            self.drop_cancelled()
+            self.drop_cancelled(now)
         if self.arrivals:
             for seq in self.arrivals:
                 if seq.cancelled:
@@ -461,7 +465,7 @@ class EngineCore:
         if draining:
             self._drain(now)
         elif state != ACTIVE:
-            pass  # switching in place: it pulls nothing until the switch completes
+            self._switching(now)  # in place: it pulls nothing until the switch completes
         else:
             if role != "prefill" and (self.waiting_handoffs or not self.handoff_fetch_waiting):
                 self._pull_handoffs(now)
@@ -694,6 +698,15 @@ class EngineCore:
         self.cache.resize(max(self.p.kv_capacity_tokens - self.kv_reserved, 0))
         seq.engine = None
 
+    def release_decode(self, seq: CoreSeq, now: float) -> int:
+        """Stop decoding `seq` here (at a step boundary) and return the output tokens it has so far. Its KV stays
+        in the prefix cache (prompt and output so far), as vLLM keeps an aborted request's blocks hashed until they
+        are reused; the caller hands it on and then calls `_forget_finishes`."""
+        decoded = self.decoded_so_far(seq)
+        self._leave_batch(seq)
+        self.cache.insert(seq.key, seq.context_tokens + decoded, now, seq.group_key, seq.group_tokens)
+        return decoded
+
     def _forget_finishes(self) -> None:
         """Drop the finish heap entries of sequences that left the batch early (migrated or cancelled: rare)."""
         seqs = self.seqs
@@ -777,13 +790,14 @@ class EngineCore:
                 )
             self._on_finished(seq, now)
 
-    def drop_cancelled(self) -> None:
-        """Remove decodes of cancelled sequences from the batch."""
+    def drop_cancelled(self, now: float) -> None:
+        """Remove decodes of cancelled sequences from the batch, their KV kept cached (`release_decode`): a stream
+        stopped to be handed on is prefilled again from it (`switch_rule.hands_on_decodes`)."""
         cancelled = [r for r in self.seqs.values() if r.cancelled]
         for seq in cancelled:
             if self.tally is not None:
                 self.tally.wasted_decoded_tokens += self.decoded_so_far(seq)
-            self._leave_batch(seq)
+            self.release_decode(seq, now)
         if cancelled:
             self._forget_finishes()
 

