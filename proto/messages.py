@@ -374,7 +374,9 @@ class RoleSwitchCommand(Message, frozen=True, kw_only=True):
     epoch: Annotated[int, Meta(ge=1, le=MAX_COUNTER)]
     issued_s: float
     reason: str = ""
-    drain_timeout_s: NonNegFloat = 30.0  # decodes that would outlast this are migrated by re-prefill
+    # Decodes expected to outlast this are migrated by re-prefill: on a restart, and on an in-place switch to
+    # prefill (there from the engine's own prefix cache, `switch_rule.hands_on_decodes`).
+    drain_timeout_s: NonNegFloat = 30.0
 
 
 class RoleSwitchAck(Message, frozen=True, kw_only=True):
@@ -384,7 +386,7 @@ class RoleSwitchAck(Message, frozen=True, kw_only=True):
     ok: bool
     error: str = ""
     switch_s: NonNegFloat = 0.0  # command received → serving the new role
-    migrated_requests: NonNegInt = 0  # decodes handed back for re-prefill elsewhere
+    migrated_requests: NonNegInt = 0  # decodes handed on for re-prefill (see drain_timeout_s)
     drained_requests: NonNegInt = 0  # requests finished in the old role before switching
     ts_s: float = 0.0
 
