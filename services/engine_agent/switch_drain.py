@@ -8,8 +8,9 @@ A switch (pulling is already paused by the caller, and resumes in the new role w
   as — except on a switch to prefill (`switch_rule.hands_on_decodes`): every answer being decoded here (it has
   streamed tokens) that `plan_drain` does not keep is stopped first and migrates to this engine's own prefill
   queue (`hand_on_in_place`), which the engine pulls once it serves as prefill, prefilling it from its prefix cache
-  and handing its KV to a decode engine. A message a fetch still in flight delivers for the old role goes back to its queue (`puller.py`). A
-  decode engine's addressed queue is forwarded to the shared prefill queue by its own-queue loop.
+  and handing its KV to a decode engine. A message a fetch still in flight delivers for the old role goes back to
+  its queue (`puller.py`). A decode engine's addressed queue is forwarded to the shared prefill queue by its
+  own-queue loop.
 * **Restart** (another layout): the engine drains, then restarts —
   1. wait until no fetch is in flight;
   2. prompts queued for this engine by address move to the shared prefill queue if the new role is decode;
@@ -68,11 +69,9 @@ async def hand_on_in_place(agent: Any, cmd: RoleSwitchCommand) -> int:
     decoding = {
         j.request_id: j for j in runner.jobs.values() if j.kind != "prefill" and j.streamed_ids and not j.stop
     }
-    items = [
-        DrainItem(j.request_id, j.output_tokens, j.request.sampling.max_tokens, runner.s_per_token(j))
-        for j in decoding.values()
-    ]
-    _, leaving = plan_drain(items, runner.output_estimate, cmd.drain_timeout_s)
+    _, leaving = plan_drain(
+        _drain_items(runner, list(decoding.values())), runner.output_estimate, cmd.drain_timeout_s
+    )
     jobs = [decoding[i] for i in leaving]
     if not jobs:
         return 0
@@ -96,11 +95,7 @@ async def drain_for_restart(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, in
     jobs: list[Job] = list(runner.jobs.values())
     by_id = {j.request_id: j for j in jobs}
     finishing = [j for j in jobs if job_fate(j.kind) == "finish"]
-    items = [
-        DrainItem(j.request_id, j.output_tokens, j.request.sampling.max_tokens, runner.s_per_token(j))
-        for j in jobs
-        if job_fate(j.kind) == "drain"
-    ]
+    items = _drain_items(runner, [j for j in jobs if job_fate(j.kind) == "drain"])
     finish_ids, migrate_ids = plan_drain(items, runner.output_estimate, cmd.drain_timeout_s)
     finishing += [by_id[i] for i in finish_ids]
     movers = [by_id[i] for i in migrate_ids]
@@ -118,6 +113,14 @@ async def drain_for_restart(agent: Any, cmd: RoleSwitchCommand) -> tuple[int, in
     )
     await agent.backend.set_role(new)
     return migrated, drained
+
+
+def _drain_items(runner: Any, jobs: list[Job]) -> list[DrainItem]:
+    """What `plan_drain` needs of each job: its output so far, its cap and its observed inter-token time."""
+    return [
+        DrainItem(j.request_id, j.output_tokens, j.request.sampling.max_tokens, runner.s_per_token(j))
+        for j in jobs
+    ]
 
 
 async def _move(agent: Any, job: Job) -> None:
