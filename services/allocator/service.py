@@ -280,24 +280,21 @@ class AllocatorService(Service):
         )
         self.last_view = view
         planned, reason, startup = self._target(view, now)
-        # (An acknowledged switch the stats do not show yet is the coordinator's to skip: `current_roles`.)
-        target = planned or {}
-        prefill_demand, decode_demand = role_demand(view)
-        fraction = self.coord.max_concurrent_fraction
-        if startup:  # idle engines only: nothing to drain, so they may all switch at once
-            self.coord.max_concurrent_fraction = 1.0
-        try:
-            # A kept plan sends nothing and leaves the coordinator's last target, and a move under way, standing
-            # (the simulator applies no plan then either).
-            commands = (
-                []
-                if planned is None
-                else self.coord.commands_for(target, now, prefill_demand, decode_demand, reason)
-            )
-        finally:
-            self.coord.max_concurrent_fraction = fraction
+        commands: list[RoleSwitchCommand] = []
+        # A kept plan (None) sends nothing and leaves the coordinator's last target, and a move under way, standing
+        # (the simulator applies no plan then either). An acknowledged switch the stats do not show yet is the
+        # coordinator's to skip (`current_roles`).
+        if planned is not None:
+            prefill_demand, decode_demand = role_demand(view)
+            fraction = self.coord.max_concurrent_fraction
+            if startup:  # idle engines only: nothing to drain, so they may all switch at once
+                self.coord.max_concurrent_fraction = 1.0
+            try:
+                commands = self.coord.commands_for(planned, now, prefill_demand, decode_demand, reason)
+            finally:
+                self.coord.max_concurrent_fraction = fraction
         self._issue(commands, reason)
-        await self._publish_plan(view, target, reason, now)
+        await self._publish_plan(view, planned or {}, reason, now)
         return commands
 
     def _issue(self, commands: list[RoleSwitchCommand], reason: str) -> None:

@@ -95,9 +95,8 @@ class SwitchCoordinator:
         if out is None or ack.epoch < out.epoch:
             return False  # a repeat (the reply and the ack subject both carry it) or an older command's
         del self.outstanding[ack.engine_id]
-        if (
-            not ack.ok
-        ):  # the next decision asks again, if it still wants this; a follow-up would hammer a refusal
+        if not ack.ok:
+            # The next decision asks again, if it still wants this; a follow-up would hammer a refusal.
             self.refused += 1
             self.goal.pop(ack.engine_id, None)
             return False
